@@ -1,0 +1,28 @@
+"""Fused attribution kernels with pure-PyTorch references.
+
+Public ops (each differentiable where it matters; see each docstring for shapes):
+
+- :func:`sinkhorn` - batched log-domain Sinkhorn normalisation.
+- :func:`soft_topk_masks` - Gumbel-Sinkhorn soft top-k membership masks (the AHA soft-rank sorter).
+- :func:`region_pool` / :func:`soft_mask_blend` - grid pooling of maps and blending of images under grid masks.
+- :func:`soft_gate` / :func:`soft_maxpool2d` - exact activations whose backward uses a softened gate.
+
+:func:`set_backend` chooses between the Triton kernels and the references (see :mod:`kernels._backend`).
+"""
+
+from kernels._backend import get_backend, set_backend
+from kernels.region import region_pool, soft_mask_blend
+from kernels.sinkhorn import sinkhorn
+from kernels.soft_adjoint import soft_gate, soft_maxpool2d
+from kernels.soft_rank import soft_topk_masks
+
+__all__ = [
+    "get_backend",
+    "region_pool",
+    "set_backend",
+    "sinkhorn",
+    "soft_gate",
+    "soft_mask_blend",
+    "soft_maxpool2d",
+    "soft_topk_masks",
+]

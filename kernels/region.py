@@ -1,0 +1,587 @@
+"""Region pooling of attribution maps and blending of images under grid masks, on one shared grid geometry.
+
+- :func:`region_pool`: (B, H, W) map -> (B, g, g) cell means. Backward: each pixel receives its cell's gradient
+  divided by the cell's area.
+- :func:`soft_mask_blend`: image x and reference r (B, C, H, W), masks (B, S, g, g) ->
+  ``out[b, s] = x + up(m_s) * (r - x)``, (B, S, C, H, W), with ``up`` nearest upsampling onto the same cells.
+
+Geometry (:func:`cell_index`): pixel row y belongs to grid row ``min(g - 1, floor((y * g + oy * H) / H))``, likewise
+for columns. With offset 0 the cells are the exact balanced partition ``floor(y * g / H)`` (F.interpolate's "nearest"
+source index, except where its float32 scale rounds across a cell boundary, about 1% of (H, g) pairs); an offset
+shifts the grid by a fraction of a cell, shortening the first cell and letting the last absorb the remainder. The
+index maps are computed once on the host in float64 (and cached per shape, grid, offset and device); both paths are
+fed from them (the reference as flat cell ids and membership matrices, the kernels as int32 maps and cell
+boundaries), so the reference and Triton agree exactly on which pixel belongs to which cell and on cell areas.
+
+Kernel offsets: the batch term is int64; offsets within one image (S * C * H * W elements) are int32.
+
+Layout: geometry -> references -> Triton kernels -> launchers (torch.library ops) -> autograd wiring -> public ops.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.library import register_autograd, triton_op, wrap_triton
+
+from kernels._backend import tl, triton, use_triton
+from kernels._validate import check_int_at_least, check_offset, check_same, check_tensor
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Grid geometry
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def cell_index(size: int, g: int, frac: float = 0.0) -> Tensor:
+    """Grid cell of every pixel along one axis.
+
+    Args:
+        size: number of pixels along the axis (H or W), >= 1.
+        g: number of cells along the axis, 1 <= g <= size.
+        frac: grid offset as a fraction of a cell, in [0, 1).
+
+    Returns:
+        (size,) int64 on the CPU, non-decreasing, from 0 to g - 1; every cell is non-empty.
+    """
+    size = check_int_at_least(size, "size", 1)
+    g = check_int_at_least(g, "g", 1)
+    if g > size:
+        raise ValueError(f"g must be <= size ({size}), got {g}")
+    frac = float(frac)
+    if not 0.0 <= frac < 1.0:
+        raise ValueError(f"frac must be a fraction of a cell in [0, 1), got {frac!r}")
+    pos = torch.arange(size, dtype=torch.float64)
+    # float64 keeps y * g exact, and the quotient of two exact integers is correctly rounded, so with frac = 0 the
+    # floor lands on the exact cell (float32 scales, as in F.interpolate, sometimes round across a boundary).
+    idx = torch.floor((pos * g + frac * size) / size)
+    return idx.clamp_(max=g - 1).long()
+
+
+@dataclass(frozen=True, eq=False)
+class _Grid:
+    """Everything both paths need to know about one (H, W, g, offset) grid, on one device."""
+
+    g: int
+    rows: Tensor  # (H,) int32: grid row of each pixel row (kernels)
+    cols: Tensor  # (W,) int32: grid column of each pixel column
+    row_start: Tensor  # (g + 1,) int32: first pixel row of each grid row, then H (cells are contiguous ranges)
+    col_start: Tensor  # (g + 1,) int32
+    cell: Tensor  # (H * W,) int64: flat cell id (row * g + column) of each pixel (reference upsampling)
+    max_area: int  # pixels in the largest cell (sizes the kernels' tiles)
+    # accumulation dtype -> (row, column) membership matrices, (g, H) and (W, g): 0/1 for cell sums, 1/count for means
+    sums: dict[torch.dtype, tuple[Tensor, Tensor]]
+    means: dict[torch.dtype, tuple[Tensor, Tensor]]
+
+
+@functools.lru_cache(maxsize=64)
+def _grid(h: int, w: int, g: int, oy: float, ox: float, device: torch.device) -> _Grid:
+    rows, cols = cell_index(h, g, oy), cell_index(w, g, ox)
+    n_rows, n_cols = torch.bincount(rows, minlength=g), torch.bincount(cols, minlength=g)
+    if bool((n_rows == 0).any()) or bool((n_cols == 0).any()):  # only float64 rounding with an offset a hair below 1
+        raise ValueError(f"offset {(oy, ox)!r} leaves an empty grid cell for H={h}, W={w}, g={g}")
+    zero = torch.zeros(1, dtype=torch.int64)
+    row_sum = torch.nn.functional.one_hot(rows, g).T.double()
+    col_sum = torch.nn.functional.one_hot(cols, g).double()
+    row_mean, col_mean = row_sum / n_rows[:, None], col_sum / n_cols[None, :]
+    return _Grid(
+        g=g,
+        rows=rows.to(device=device, dtype=torch.int32),
+        cols=cols.to(device=device, dtype=torch.int32),
+        row_start=torch.cat([zero, n_rows.cumsum(0)]).to(device=device, dtype=torch.int32),
+        col_start=torch.cat([zero, n_cols.cumsum(0)]).to(device=device, dtype=torch.int32),
+        cell=(rows[:, None] * g + cols[None, :]).reshape(-1).to(device),
+        max_area=int(n_rows.max()) * int(n_cols.max()),
+        sums={dt: (row_sum.to(device, dt), col_sum.to(device, dt)) for dt in (torch.float32, torch.float64)},
+        means={dt: (row_mean.to(device, dt), col_mean.to(device, dt)) for dt in (torch.float32, torch.float64)},
+    )
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 accumulation for every I/O dtype except float64 (kept exact for gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _tl_acc(dtype: torch.dtype) -> Any:
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# References (pure PyTorch; they define correctness)
+# ----------------------------------------------------------------------------------------------------------------------
+# On the CPU these are what runs, often on few, shared cores, where every extra parallel op costs more than its
+# arithmetic: both are written with as few full-size passes as their memory budget allows.
+
+
+def _reduce_cells(t: Tensor, mats: tuple[Tensor, Tensor]) -> Tensor:
+    """(..., H, W) -> (..., g, g): ``row_mat @ t @ col_mat`` with (g, H) and (W, g) cell-membership matrices.
+
+    Columns first: one (N * H, W) @ (W, g) GEMM reads the input once; the rows then reduce a W / g times smaller
+    tensor. Temporaries are (..., H, g) and (..., g, g); BLAS is deterministic and, on the CPU, far faster than
+    index_add along an inner dimension. Autograd's backward is the transposed products: each pixel receives its
+    cell's gradient times its membership weight, without saving anything of the input's size.
+    """
+    row_mat, col_mat = mats
+    by_cols = (t.reshape(-1, t.shape[-1]) @ col_mat).view(*t.shape[:-1], col_mat.shape[1])
+    return row_mat @ by_cols
+
+
+def _upsample(masks: Tensor, grid: _Grid) -> Tensor:
+    """(..., g, g) -> (..., H, W) nearest upsampling: one gather with the flat per-pixel cell id.
+
+    Gathering along dim 1 of a 2-D view is some 20x faster on the CPU than along the last dim of a 3-D one.
+    """
+    flat = masks.reshape(-1, grid.g * grid.g).index_select(1, grid.cell)
+    return flat.view(*masks.shape[:-2], grid.rows.shape[0], -1)
+
+
+def _region_pool_reference(amap: Tensor, grid: _Grid) -> Tensor:
+    """Cell means of ``amap: (B, H, W)`` -> (B, g, g), differentiable through plain autograd.
+
+    Memory: reads the map once (plus one float32 copy for half inputs), writes (B, H, g) and (B, g, g); autograd
+    keeps nothing of size (B, H, W).
+    """
+    acc = _acc_dtype(amap.dtype)
+    return _reduce_cells(amap.to(acc), grid.means[acc]).to(amap.dtype)
+
+
+class _BlendReference(torch.autograd.Function):
+    """``x + up(m_s) * (r - x)`` for every mask, saving only the inputs (not the upsampled masks nor r - x).
+
+    Memory: forward writes the (B, S, C, H, W) output once, with one (B, S, H, W) upsampled mask as its only
+    temporary (plus one float32 (B, C, H, W) slice at a time for half inputs). Backward recomputes the upsampled
+    masks and r - x and works one channel at a time, so its temporaries are (B, S, H, W)-sized (1 / C of the
+    output). The naive broadcast formulation keeps the upsampled masks for autograd and creates several
+    output-sized temporaries in both directions.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, reference: Tensor, masks: Tensor, grid: _Grid) -> Tensor:
+        ctx.save_for_backward(x, reference, masks)
+        ctx.grid = grid
+        acc = _acc_dtype(x.dtype)
+        xa, ra = x.to(acc), reference.to(acc)
+        up = _upsample(masks.to(acc), grid)  # (B, S, H, W)
+        b, c, h, w = x.shape
+        out = torch.empty((b, up.shape[1], c, h, w), dtype=x.dtype, device=x.device)
+        # lerp switches to r - (r - x) * (1 - m) for m >= 0.5, so m = 0 gives x and m = 1 gives r exactly.
+        if acc == x.dtype:
+            torch.lerp(xa[:, None], ra[:, None], up[:, :, None], out=out)
+        else:
+            for s in range(up.shape[1]):
+                out[:, s].copy_(torch.lerp(xa, ra, up[:, s, None]))
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x, reference, masks = ctx.saved_tensors
+        grid: _Grid = ctx.grid
+        acc = _acc_dtype(x.dtype)
+        up = _upsample(masks.to(acc), grid)  # (B, S, H, W)
+        diff = reference.to(acc) - x.to(acc)
+        need_x, need_r, need_m = ctx.needs_input_grad[:3]
+        dr = torch.empty_like(diff)
+        dup = torch.zeros_like(up) if need_m else None
+        for c in range(x.shape[1]):
+            g_c = grad_out[:, :, c].to(acc)  # (B, S, H, W)
+            torch.sum(g_c * up, 1, out=dr[:, c])
+            if dup is not None:
+                dup.addcmul_(g_c, diff[:, c, None])
+        dx = grad_out.sum(1, dtype=acc).sub_(dr) if need_x else None  # sum_s g_s * (1 - m_s)
+        return (
+            None if dx is None else dx.to(x.dtype),
+            dr.to(reference.dtype) if need_r else None,
+            None if dup is None else _reduce_cells(dup, grid.sums[acc]).to(masks.dtype),
+            None,
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pool_fwd_kernel(
+    amap_ptr,  # (B, H, W) input map, any strides
+    out_ptr,  # (B, g, g) contiguous cell means, amap's dtype
+    row_start_ptr,  # (g + 1,) int32: first pixel row of each grid row, then H
+    col_start_ptr,  # (g + 1,) int32: first pixel column of each grid column, then W
+    stride_b,  # amap stride over the batch, in elements
+    stride_h,  # amap stride over rows
+    stride_w,  # amap stride over columns
+    G,  # grid size g
+    ACC: tl.constexpr,  # accumulation dtype (float32, or float64 for float64 maps)
+    BLOCK: tl.constexpr,  # pixels of the cell summed per step
+):
+    # One program owns one (image, cell): the sum is a plain in-register reduction, no atomics, deterministic.
+    cell = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    cy = cell // G
+    cx = cell % G
+    y0 = tl.load(row_start_ptr + cy)
+    x0 = tl.load(col_start_ptr + cx)
+    cw = tl.load(col_start_ptr + cx + 1) - x0
+    n = (tl.load(row_start_ptr + cy + 1) - y0) * cw
+    base = amap_ptr + b * stride_b
+    acc = tl.zeros([BLOCK], dtype=ACC)
+    for start in range(0, n, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        yy = y0 + idx // cw
+        xx = x0 + idx % cw
+        acc += tl.load(base + yy * stride_h + xx * stride_w, mask=idx < n, other=0.0).to(ACC)
+    mean = tl.sum(acc, axis=0) / n.to(ACC)
+    tl.store(out_ptr + b * G * G + cell, mean.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _pool_bwd_kernel(
+    grad_ptr,  # (B, g, g) contiguous gradient of the cell means
+    dmap_ptr,  # (B, H, W) contiguous gradient of the map, written once per pixel
+    rows_ptr,  # (H,) int32 grid row of each pixel row
+    cols_ptr,  # (W,) int32 grid column of each pixel column
+    row_start_ptr,  # (g + 1,) int32 cell row boundaries (for the cell area)
+    col_start_ptr,  # (g + 1,) int32 cell column boundaries
+    H,  # map height
+    W,  # map width
+    G,  # grid size g
+    ACC: tl.constexpr,  # arithmetic dtype
+    BLOCK: tl.constexpr,  # pixels per program
+):
+    # One program owns a block of pixels and gathers from the tiny grid: every output element is written once.
+    b = tl.program_id(1).to(tl.int64)
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < H * W
+    cy = tl.load(rows_ptr + p // W, mask=ok, other=0)
+    cx = tl.load(cols_ptr + p % W, mask=ok, other=0)
+    area = (tl.load(row_start_ptr + cy + 1) - tl.load(row_start_ptr + cy)) * (
+        tl.load(col_start_ptr + cx + 1) - tl.load(col_start_ptr + cx)
+    )
+    g = tl.load(grad_ptr + b * G * G + cy * G + cx, mask=ok, other=0.0).to(ACC)
+    tl.store(dmap_ptr + b * H * W + p, (g / area.to(ACC)).to(dmap_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _blend_fwd_kernel(
+    x_ptr,  # (B, C, H, W) image, any strides
+    r_ptr,  # (B, C, H, W) reference, any strides (0 over the batch for one shared baseline)
+    m_ptr,  # (B, S, g, g) contiguous masks, any float dtype
+    out_ptr,  # (B, S, C, H, W) contiguous output, x's dtype
+    rows_ptr,  # (H,) int32 grid row of each pixel row
+    cols_ptr,  # (W,) int32 grid column of each pixel column
+    sx_b,  # x stride over the batch
+    sx_c,  # x stride over channels
+    sx_h,  # x stride over rows
+    sx_w,  # x stride over columns
+    sr_b,  # reference stride over the batch
+    sr_c,  # reference stride over channels
+    sr_h,  # reference stride over rows
+    sr_w,  # reference stride over columns
+    S,  # number of masks
+    C,  # channels
+    H,  # height
+    W,  # width
+    G,  # grid size g
+    ACC: tl.constexpr,  # arithmetic dtype
+    BLOCK_S: tl.constexpr,  # power of two >= S: all masks of a pixel are handled by one program
+    BLOCK_P: tl.constexpr,  # pixels per program
+):
+    # A program owns (image, pixel block) for every mask and channel: x and r are read once, the S mask values of each
+    # pixel are gathered once from the tiny grid, and each output element is written once.
+    b = tl.program_id(1).to(tl.int64)
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_ok = p < H * W
+    h = p // W
+    w = p % W
+    cell = tl.load(rows_ptr + h, mask=p_ok, other=0) * G + tl.load(cols_ptr + w, mask=p_ok, other=0)
+    s = tl.arange(0, BLOCK_S)
+    ok = (s < S)[:, None] & p_ok[None, :]
+    m = tl.load(m_ptr + b * S * G * G + s[:, None] * G * G + cell[None, :], mask=ok, other=0.0).to(ACC)
+    # torch.lerp's two-sided form: exact x at m = 0 and exact r at m = 1.
+    low = tl.abs(m) < 0.5
+    coeff = tl.where(low, m, m - 1.0)
+    hw = H * W
+    out_base = out_ptr + b * S * C * hw + s[:, None] * C * hw + p[None, :]
+    for c in range(0, C):
+        xv = tl.load(x_ptr + b * sx_b + c * sx_c + h * sx_h + w * sx_w, mask=p_ok, other=0.0).to(ACC)
+        rv = tl.load(r_ptr + b * sr_b + c * sr_c + h * sr_h + w * sr_w, mask=p_ok, other=0.0).to(ACC)
+        d = (rv - xv)[None, :]
+        val = coeff * d + tl.where(low, xv[None, :], rv[None, :])
+        tl.store(out_base + c * hw, val.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _blend_bwd_kernel(
+    g_ptr,  # (B, S, C, H, W) contiguous gradient of the output
+    x_ptr,  # (B, C, H, W) image, any strides
+    r_ptr,  # (B, C, H, W) reference, any strides
+    m_ptr,  # (B, S, g, g) contiguous masks
+    dx_ptr,  # (B, C, H, W) contiguous gradient of x, x's dtype
+    dr_ptr,  # (B, C, H, W) contiguous gradient of the reference, its dtype
+    dm_ptr,  # (B, S, g, g) contiguous gradient of the masks, their dtype
+    row_start_ptr,  # (g + 1,) int32 cell row boundaries
+    col_start_ptr,  # (g + 1,) int32 cell column boundaries
+    sx_b,  # x stride over the batch
+    sx_c,  # x stride over channels
+    sx_h,  # x stride over rows
+    sx_w,  # x stride over columns
+    sr_b,  # reference stride over the batch
+    sr_c,  # reference stride over channels
+    sr_h,  # reference stride over rows
+    sr_w,  # reference stride over columns
+    S,  # number of masks
+    C,  # channels
+    H,  # height
+    W,  # width
+    G,  # grid size g
+    ACC: tl.constexpr,  # accumulation dtype
+    BLOCK_S: tl.constexpr,  # power of two >= S
+    BLOCK_P: tl.constexpr,  # pixels of the cell per step
+):
+    # A program owns one (image, cell): it reduces the cell's mask gradients for all S masks in registers and writes
+    # dx, dr for the cell's pixels, which no other program touches. No atomics, deterministic, and the output
+    # gradient (the big tensor) is read exactly once.
+    cell = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    cy = cell // G
+    cx = cell % G
+    y0 = tl.load(row_start_ptr + cy)
+    x0 = tl.load(col_start_ptr + cx)
+    cw = tl.load(col_start_ptr + cx + 1) - x0
+    n = (tl.load(row_start_ptr + cy + 1) - y0) * cw
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < S
+    m = tl.load(m_ptr + b * S * G * G + s * G * G + cell, mask=s_ok, other=0.0).to(ACC)[:, None]
+    dm = tl.zeros([BLOCK_S], dtype=ACC)
+    hw = H * W
+    for start in range(0, n, BLOCK_P):
+        idx = start + tl.arange(0, BLOCK_P)
+        p_ok = idx < n
+        h = y0 + idx // cw
+        w = x0 + idx % cw
+        p = h * W + w
+        ok = s_ok[:, None] & p_ok[None, :]
+        for c in range(0, C):
+            xv = tl.load(x_ptr + b * sx_b + c * sx_c + h * sx_h + w * sx_w, mask=p_ok, other=0.0).to(ACC)
+            rv = tl.load(r_ptr + b * sr_b + c * sr_c + h * sr_h + w * sr_w, mask=p_ok, other=0.0).to(ACC)
+            offs = b * S * C * hw + s[:, None] * C * hw + c * hw + p[None, :]
+            g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(ACC)
+            dm += tl.sum(g * (rv - xv)[None, :], axis=1)
+            out = b * C * hw + c * hw + p
+            tl.store(dx_ptr + out, tl.sum(g * (1.0 - m), axis=0).to(dx_ptr.dtype.element_ty), mask=p_ok)
+            tl.store(dr_ptr + out, tl.sum(g * m, axis=0).to(dr_ptr.dtype.element_ty), mask=p_ok)
+    tl.store(dm_ptr + b * S * G * G + s * G * G + cell, dm.to(dm_ptr.dtype.element_ty), mask=s_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Launchers (torch.library ops, so torch.compile sees them as opaque Triton calls instead of graph-breaking)
+# ----------------------------------------------------------------------------------------------------------------------
+
+_MAX_BLOCK = 1024  # elements per program step: enough to saturate a memory-bound loop, small enough for registers
+_TILE_ELEMS = 4096  # BLOCK_S * BLOCK_P budget of the blend kernels
+
+
+def _cell_block(max_area: int) -> int:
+    return max(16, min(_MAX_BLOCK, triton.next_power_of_2(max_area)))
+
+
+def _blend_blocks(n_masks: int) -> tuple[int, int]:
+    block_s = triton.next_power_of_2(max(1, n_masks))
+    return block_s, max(16, min(_MAX_BLOCK, _TILE_ELEMS // block_s))
+
+
+@triton_op("attr_engine::region_pool", mutates_args=())
+def _region_pool_op(
+    amap: Tensor, rows: Tensor, cols: Tensor, row_start: Tensor, col_start: Tensor, g: int, block: int
+) -> Tensor:
+    # rows / cols are not needed here; they ride along so the backward finds them in its inputs.
+    b = amap.shape[0]
+    out = torch.empty((b, g, g), dtype=amap.dtype, device=amap.device)
+    if out.numel() > 0:
+        wrap_triton(_pool_fwd_kernel)[(g * g, b)](
+            amap, out, row_start, col_start, *amap.stride(), g, ACC=_tl_acc(amap.dtype), BLOCK=block
+        )
+    return out
+
+
+@triton_op("attr_engine::region_pool_backward", mutates_args=())
+def _region_pool_backward_op(
+    grad: Tensor, rows: Tensor, cols: Tensor, row_start: Tensor, col_start: Tensor, g: int
+) -> Tensor:
+    b, h, w = grad.shape[0], rows.shape[0], cols.shape[0]
+    grad = grad.contiguous()  # the gradient of a sum arrives as a stride-0 expansion
+    dmap = torch.empty((b, h, w), dtype=grad.dtype, device=grad.device)
+    if dmap.numel() > 0:
+        grid = (triton.cdiv(h * w, _MAX_BLOCK), b)
+        wrap_triton(_pool_bwd_kernel)[grid](
+            grad, dmap, rows, cols, row_start, col_start, h, w, g, ACC=_tl_acc(grad.dtype), BLOCK=_MAX_BLOCK
+        )
+    return dmap
+
+
+def _region_pool_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    _, rows, cols, row_start, col_start, g, _ = inputs
+    ctx.save_for_backward(rows, cols, row_start, col_start)
+    ctx.g = g
+
+
+def _region_pool_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    dmap = torch.ops.attr_engine.region_pool_backward(grad, *ctx.saved_tensors, ctx.g)
+    return dmap, None, None, None, None, None, None
+
+
+register_autograd("attr_engine::region_pool", _region_pool_backward, setup_context=_region_pool_setup)
+
+
+@triton_op("attr_engine::soft_mask_blend", mutates_args=())
+def _soft_mask_blend_op(
+    x: Tensor,
+    reference: Tensor,
+    masks: Tensor,
+    rows: Tensor,
+    cols: Tensor,
+    row_start: Tensor,
+    col_start: Tensor,
+    max_area: int,
+) -> Tensor:
+    # row_start / col_start / max_area serve the backward, which finds them in its inputs.
+    b, c, h, w = x.shape
+    n_masks, g = masks.shape[1], masks.shape[2]
+    masks = masks.contiguous()
+    out = torch.empty((b, n_masks, c, h, w), dtype=x.dtype, device=x.device)
+    if out.numel() > 0:
+        block_s, block_p = _blend_blocks(n_masks)
+        wrap_triton(_blend_fwd_kernel)[(triton.cdiv(h * w, block_p), b)](
+            x, reference, masks, out, rows, cols, *x.stride(), *reference.stride(), n_masks, c, h, w, g,
+            ACC=_tl_acc(x.dtype), BLOCK_S=block_s, BLOCK_P=block_p,
+        )  # fmt: skip
+    return out
+
+
+@triton_op("attr_engine::soft_mask_blend_backward", mutates_args=())
+def _soft_mask_blend_backward_op(
+    grad: Tensor, x: Tensor, reference: Tensor, masks: Tensor, row_start: Tensor, col_start: Tensor, max_area: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    b, c, h, w = x.shape
+    n_masks, g = masks.shape[1], masks.shape[2]
+    grad, masks = grad.contiguous(), masks.contiguous()
+    dx = torch.empty((b, c, h, w), dtype=x.dtype, device=x.device)
+    dr = torch.empty((b, c, h, w), dtype=reference.dtype, device=x.device)
+    dm = torch.empty_like(masks)
+    if grad.numel() > 0:
+        block_s, block_p = _blend_blocks(n_masks)
+        wrap_triton(_blend_bwd_kernel)[(g * g, b)](
+            grad, x, reference, masks, dx, dr, dm, row_start, col_start, *x.stride(), *reference.stride(),
+            n_masks, c, h, w, g, ACC=_tl_acc(x.dtype), BLOCK_S=block_s, BLOCK_P=min(block_p, _cell_block(max_area)),
+        )  # fmt: skip
+    return dx, dr, dm
+
+
+def _soft_mask_blend_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    x, reference, masks, _, _, row_start, col_start, max_area = inputs
+    ctx.save_for_backward(x, reference, masks, row_start, col_start)
+    ctx.max_area = max_area
+
+
+def _soft_mask_blend_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    x, reference, masks, row_start, col_start = ctx.saved_tensors
+    dx, dr, dm = torch.ops.attr_engine.soft_mask_blend_backward(
+        grad, x, reference, masks, row_start, col_start, ctx.max_area
+    )
+    return dx, dr, dm, None, None, None, None, None
+
+
+register_autograd("attr_engine::soft_mask_blend", _soft_mask_blend_backward, setup_context=_soft_mask_blend_setup)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Public ops
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _check_grid(grid: int, h: int, w: int, name: str) -> int:
+    g = check_int_at_least(grid, name, 1)
+    if g > min(h, w):
+        raise ValueError(f"{name} must be <= min(H, W) = {min(h, w)} so that no cell is empty, got {g}")
+    return g
+
+
+def region_pool(amap: Tensor, grid: int, offset: Sequence[float] = (0.0, 0.0)) -> Tensor:
+    """Mean of ``amap`` over each cell of a ``grid`` x ``grid`` partition of the image.
+
+    Args:
+        amap: (B, H, W) float map (attribution or saliency).
+        grid: g, cells per side, 1 <= g <= min(H, W); cells differ in size by at most one pixel row/column when g
+            does not divide H or W (see :func:`cell_index`).
+        offset: (oy, ox), each in [0, 1): shift of the grid by that fraction of a cell (grid augmentation).
+
+    Returns:
+        (B, g, g) cell means in ``amap``'s dtype (float32 accumulation for half inputs). Differentiable: each pixel
+        receives its cell's gradient divided by the cell's area.
+
+    Raises:
+        ValueError: bad rank or dtype, grid out of range, or offset outside [0, 1).
+    """
+    check_tensor(amap, "amap", ndim=3)
+    _, h, w = amap.shape
+    g = _check_grid(grid, h, w, "grid")
+    oy, ox = check_offset(offset)
+    geo = _grid(h, w, g, oy, ox, amap.device)
+    if use_triton(amap):
+        return torch.ops.attr_engine.region_pool(
+            amap, geo.rows, geo.cols, geo.row_start, geo.col_start, g, _cell_block(geo.max_area)
+        )
+    return _region_pool_reference(amap, geo)
+
+
+def soft_mask_blend(x: Tensor, reference: Tensor, masks: Tensor, offset: Sequence[float] = (0.0, 0.0)) -> Tensor:
+    """Blend each image towards its reference under S grid masks: ``out[b, s] = x + up(m_s) * (reference - x)``.
+
+    Args:
+        x: (B, C, H, W) images.
+        reference: (B, C, H, W) baseline, same dtype and device as ``x``; may be an expanded view (e.g. stride 0
+            over the batch for one shared baseline).
+        masks: (B, S, g, g) finite soft masks (any float dtype; arithmetic in float32, float64 for float64 ``x``),
+            with 1 <= g <= min(H, W); ``up`` is nearest upsampling onto the same cells as :func:`region_pool`.
+        offset: (oy, ox) grid offset, each in [0, 1), as in :func:`region_pool`.
+
+    Returns:
+        (B, S, C, H, W) in ``x``'s dtype. For finite x and reference, a mask value of exactly 0 returns x and
+        exactly 1 returns the reference, bit for bit (up to the sign of a zero). Differentiable with respect to x,
+        reference and masks.
+
+    Raises:
+        ValueError: bad ranks, dtypes, devices, shapes, grid size, non-finite masks, or offset outside [0, 1).
+    """
+    check_tensor(x, "x", ndim=4)
+    check_tensor(reference, "reference", ndim=4)
+    check_same(x, "x", reference, "reference")
+    if reference.shape != x.shape:
+        raise ValueError(f"reference must have x's shape {tuple(x.shape)}, got {tuple(reference.shape)}")
+    check_tensor(masks, "masks", ndim=4)
+    if masks.device != x.device:
+        raise ValueError(f"masks is on {masks.device} but x is on {x.device}")
+    b, _, h, w = x.shape
+    if masks.shape[0] != b:
+        raise ValueError(f"masks must have x's batch size {b}, got shape {tuple(masks.shape)}")
+    if masks.shape[1] < 1:
+        raise ValueError(f"masks must hold at least one mask (S >= 1), got shape {tuple(masks.shape)}")
+    if masks.shape[2] != masks.shape[3]:
+        raise ValueError(f"masks must be (B, S, g, g) on a square grid, got shape {tuple(masks.shape)}")
+    g = _check_grid(masks.shape[2], h, w, "masks grid size")
+    check_tensor(masks, "masks", finite=True)
+    oy, ox = check_offset(offset)
+    geo = _grid(h, w, g, oy, ox, x.device)
+    if use_triton(x, reference, masks):
+        return torch.ops.attr_engine.soft_mask_blend(
+            x, reference, masks, geo.rows, geo.cols, geo.row_start, geo.col_start, geo.max_area
+        )
+    return _BlendReference.apply(x, reference, masks, geo)
+
+
+__all__ = ["cell_index", "region_pool", "soft_mask_blend"]

@@ -1,0 +1,748 @@
+"""Soft top-k masks from a Gumbel-Sinkhorn soft ranking: the AHA sorter.
+
+Given region scores s (B, N) and perturbation fractions f (S,), cell i's soft membership in the top ``f_s * N`` cells
+is read off a soft permutation P (rank slot j x cell i) obtained by Sinkhorn normalisation of
+
+    K[b, j, i] = (-(s[b, i] - a[j])^2 + G[b, j, i]) / tau,    a = linspace(1, 0, N),
+
+with Gumbel noise G. The masks are prefix sums of P over rank slots, interpolated linearly for fractional counts:
+
+    M[b, s, i] = sum_j W[s, j] P[b, j, i],   W[s, j] = 1 for j < floor(k_s), frac(k_s) for j = floor(k_s), k_s = f_s N.
+
+Three paths, one definition:
+
+- :func:`soft_topk_masks_dense` - the definition: build K densely and differentiate through the Sinkhorn loop with
+  autograd. It keeps every iterate, O(n_iters * B * N^2) memory (about 5 GB at B=32, N=784, 30 iterations).
+- Structured reference (pure PyTorch, any device): the cost is rank one up to row/column constants, so K is never
+  saved. Only the potentials u, v (B, N) of every iteration are kept, O(B * N * n_iters). Per chunk of the batch the
+  kernel matrix E = exp(K + u_ref + v_ref) is formed once (float64) and every Sinkhorn half-step becomes a matrix-vector
+  product with diagonal rescalings (the log-stabilised scaling form); the backward of the unrolled iterations is again
+  matrix-vector products with the same E. When potentials drift too far from the reference pair E is re-formed, and a
+  half-step whose sums would underflow is done exactly in the log domain, so scores of any scale and tiny tau stay
+  finite. The Gumbel noise is regenerated from per-sample seeds in the backward instead of being stored.
+- Triton (fused): one program per sample runs all iterations in the log domain over N x N tiles, regenerating K and
+  the Philox Gumbel noise on the fly; the masks are accumulated in the last pass with a small matrix product, so
+  neither K nor P is ever written. The backward kernel replays the recurrence from the saved potentials.
+
+Noise reproducibility: the same ``generator`` (or integer seed) gives bit-identical masks on a given backend. The
+structured reference draws per-sample noise from torch's CPU generator; the Triton path uses Philox in the kernel;
+the two backends draw different (equally distributed) noise for the same seed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from kernels._backend import tl, triton, use_triton
+from kernels._validate import check_int_at_least, check_positive, check_tensor
+from kernels.sinkhorn import sinkhorn_eager
+
+# Smallest uniform draw before the double log of the Gumbel transform: keeps G finite (G >= -log(-log(1e-10)) ~ -3.1).
+_U_MIN = 1e-10
+# Potentials may drift this many nats from the reference pair before E is re-formed: e^150 keeps every product of a
+# stabilised entry (<= 1) and a rescaling inside float64's range, and entries that underflow below e^-745 stay
+# negligible next to the e^-150 floor of what is still resolved.
+_DRIFT = 150.0
+# A row or column sum below this is too deep in float64's tail to trust; that half-step is redone exactly.
+_TINY_SUM = 1e-200
+# Per-chunk working set of the structured path (float64 N x N matrices), sized to stay in the last-level cache.
+_CHUNK_BYTES = 1 << 23
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shared pieces: anchors, prefix weights, noise
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def rank_anchors(n: int, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Anchor values a (N,) of the rank slots: linspace(1, 0, N); slot 0 is the most important."""
+    return torch.linspace(1.0, 0.0, n, dtype=dtype, device=device)
+
+
+def prefix_weights(fractions: torch.Tensor, n: int) -> torch.Tensor:
+    """W (S, N) with M = W @ P: ones over the first floor(f N) slots and the fractional remainder on the next one."""
+    k = fractions.to(torch.float64) * n
+    lo = torch.floor(k)
+    slots = torch.arange(n, dtype=torch.float64, device=fractions.device)
+    full = (slots[None, :] < lo[:, None]).to(torch.float64)
+    part = (slots[None, :] == lo[:, None]).to(torch.float64) * (k - lo)[:, None]
+    return full + part
+
+
+def _sample_seeds(batch: int, generator: torch.Generator | int | None, device: torch.device) -> torch.Tensor:
+    """One 31-bit seed per sample, drawn from ``generator`` (or an integer seed, or torch's default generator)."""
+    if isinstance(generator, int) and not isinstance(generator, bool):
+        gen = torch.Generator(device="cpu").manual_seed(generator)
+    elif generator is None or isinstance(generator, torch.Generator):
+        gen = generator
+    else:
+        raise ValueError(f"generator must be a torch.Generator, an int seed or None, got {type(generator).__name__}")
+    gen_device = gen.device if gen is not None else torch.device("cpu")
+    base = torch.randint(0, 2**31 - 1 - batch, (1,), generator=gen, device=gen_device).item()
+    return torch.arange(batch, dtype=torch.int64) + int(base)
+
+
+def gumbel_noise(seeds: torch.Tensor, n: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Gumbel noise G (B, N, N) of the structured reference: sample b is drawn from a CPU generator seeded seeds[b].
+
+    Generated per sample so the backward can regenerate any chunk of the batch without storing B x N x N floats.
+    """
+    out = torch.empty(len(seeds), n, n, dtype=torch.float32)
+    gen = torch.Generator(device="cpu")
+    for b, seed in enumerate(seeds.tolist()):
+        gen.manual_seed(int(seed))
+        u = torch.rand(n, n, generator=gen, dtype=torch.float32).clamp_min_(_U_MIN)
+        out[b] = u.log_().neg_().log_().neg_()
+    return out.to(device)
+
+
+def _check_inputs(
+    scores: torch.Tensor, fractions: torch.Tensor | Sequence[float], tau: float, n_iters: int, noise: float
+) -> torch.Tensor:
+    check_tensor(scores, "scores", ndim=2, finite=True)
+    if scores.shape[1] < 1:
+        raise ValueError(f"scores must have at least one cell, got shape {tuple(scores.shape)}")
+    if not isinstance(fractions, torch.Tensor):
+        try:
+            fractions = torch.tensor([float(f) for f in fractions], dtype=torch.float64)
+        except (TypeError, ValueError):
+            raise ValueError(f"fractions must be a 1-D sequence or tensor of floats, got {fractions!r}") from None
+    check_tensor(fractions, "fractions", ndim=1, finite=True)
+    if fractions.numel() == 0:
+        raise ValueError("fractions must not be empty")
+    if bool(((fractions < 0) | (fractions > 1)).any()):
+        raise ValueError(
+            f"fractions must lie in [0, 1], got min {fractions.min().item()}, max {fractions.max().item()}"
+        )
+    check_positive(tau, "tau")
+    check_int_at_least(n_iters, "n_iters", 1)
+    if not (float(noise) >= 0.0 and math.isfinite(float(noise))):
+        raise ValueError(f"noise must be a finite number >= 0, got {noise!r}")
+    return fractions.to(device=scores.device)
+
+
+def _cost(scores: torch.Tensor, anchors: torch.Tensor, noise: torch.Tensor | None, tau: float) -> torch.Tensor:
+    """K (B, N, N) = (-(s_i - a_j)^2 + G_ji) / tau in the dtype of ``scores``."""
+    k = -(scores[:, None, :] - anchors[None, :, None]).square()
+    if noise is not None:
+        k = k + noise.to(k.dtype)
+    return k / tau
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Definition: dense autograd
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def soft_topk_masks_dense(
+    scores: torch.Tensor,
+    fractions: torch.Tensor,
+    *,
+    tau: float,
+    n_iters: int,
+    gumbel: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The naive definition: dense K, autograd through every Sinkhorn iterate. O(n_iters * B * N^2) memory.
+
+    Args:
+        scores: (B, N) cell scores.
+        fractions: (S,) perturbation fractions in [0, 1].
+        gumbel: optional (B, N, N) noise G[b, j, i] (rank slot j, cell i), added before dividing by tau.
+
+    Returns:
+        (B, S, N) soft top-k masks in the dtype of ``scores``.
+    """
+    n = scores.shape[1]
+    anchors = rank_anchors(n, dtype=scores.dtype, device=scores.device)
+    log_alpha = -(scores[:, None, :] - anchors[None, :, None]).square()
+    if gumbel is not None:
+        log_alpha = log_alpha + gumbel.to(log_alpha.dtype)
+    perm = sinkhorn_eager(log_alpha, n_iters, tau)
+    return prefix_weights(fractions, n).to(perm.dtype) @ perm
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Structured reference: log-stabilised scaling Sinkhorn with a matrix-vector backward
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _lse_rows(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """-LSE_i(K_ji + v_i): the exact log-domain row update, (c, N)."""
+    return -torch.logsumexp(k + v[:, None, :], dim=2)
+
+
+def _lse_cols(k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """-LSE_j(K_ji + u_j): the exact log-domain column update, (c, N)."""
+    return -torch.logsumexp(k + u[:, :, None], dim=1)
+
+
+class _Stabilised:
+    """The kernel matrix of a chunk held as E = exp(K + u_ref + v_ref), re-formed when potentials drift.
+
+    ``E`` is only ever formed at a consistent pair (the potentials right after a half-step), where either its rows or
+    its columns sum to one, so every entry is <= 1 and a rescaling by at most e^_DRIFT cannot overflow.
+    """
+
+    def __init__(self, k: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> None:
+        self.k = k
+        self.u_ref = u.clone()
+        self.v_ref = v.clone()
+        self.e = torch.exp(k + u[:, :, None] + v[:, None, :])
+
+    def refresh(self, u: torch.Tensor, v: torch.Tensor, *, force: bool = False) -> None:
+        """Re-form E for the samples whose potentials left the drift window (all of them when ``force``)."""
+        drift = torch.maximum((u - self.u_ref).abs().amax(1), (v - self.v_ref).abs().amax(1))
+        stale = torch.ones_like(drift, dtype=torch.bool) if force else drift > _DRIFT
+        if bool(stale.any()):
+            idx = stale.nonzero().squeeze(1)
+            self.u_ref[idx] = u[idx]
+            self.v_ref[idx] = v[idx]
+            self.e[idx] = torch.exp(self.k[idx] + u[idx, :, None] + v[idx, None, :])
+
+    def row_update(self, v: torch.Tensor) -> torch.Tensor:
+        """u = -LSE_i(K_ji + v_i) via one matrix-vector product; exact fallback where sums underflow."""
+        sums = torch.bmm(self.e, torch.exp(v - self.v_ref)[:, :, None]).squeeze(2)
+        u = self.u_ref - torch.log(sums)
+        bad = ~(sums > _TINY_SUM).all(1)
+        if bool(bad.any()):
+            idx = bad.nonzero().squeeze(1)
+            u[idx] = _lse_rows(self.k[idx], v[idx])
+        return u
+
+    def col_update(self, u: torch.Tensor) -> torch.Tensor:
+        """v = -LSE_j(K_ji + u_j) via one transposed matrix-vector product; exact fallback where sums underflow."""
+        sums = torch.bmm(torch.exp(u - self.u_ref)[:, None, :], self.e).squeeze(1)
+        v = self.v_ref - torch.log(sums)
+        bad = ~(sums > _TINY_SUM).all(1)
+        if bool(bad.any()):
+            idx = bad.nonzero().squeeze(1)
+            v[idx] = _lse_cols(self.k[idx], u[idx])
+        return v
+
+    def left(self, u: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Q @ x for Q = exp(K + u + v_ref) scaled on the right by x's own factors: returns diag(e^(u-u_ref)) E x."""
+        return torch.exp(u - self.u_ref)[:, :, None] * torch.bmm(self.e, x)
+
+    def right(self, u: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """E^T diag(e^(u-u_ref)) y: (c, N, m) -> (c, N, m); the caller applies the column factors."""
+        return torch.bmm(self.e.transpose(1, 2), torch.exp(u - self.u_ref)[:, :, None] * y)
+
+
+def _chunk_size(n: int) -> int:
+    return max(1, _CHUNK_BYTES // (8 * n * n))
+
+
+def _structured_forward(
+    scores: torch.Tensor, weights: torch.Tensor, tau: float, n_iters: int, noise: float, seeds: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Masks (B, S, N) float64 and the potentials u (B, T, N), v (B, T, N) of every iteration."""
+    bsz, n = scores.shape
+    s64 = scores.to(torch.float64)
+    anchors = rank_anchors(n, dtype=torch.float64, device=scores.device)
+    us = torch.empty(bsz, n_iters, n, dtype=torch.float64, device=scores.device)
+    vs = torch.empty_like(us)
+    masks = torch.empty(bsz, weights.shape[0], n, dtype=torch.float64, device=scores.device)
+    step = _chunk_size(n)
+    for lo in range(0, bsz, step):
+        hi = min(bsz, lo + step)
+        g = None if seeds is None else noise * gumbel_noise(seeds[lo:hi], n, device=scores.device)
+        k = _cost(s64[lo:hi], anchors, g, tau)
+        v = torch.zeros(hi - lo, n, dtype=torch.float64, device=scores.device)
+        # The first half-step is exact: it fixes a reference pair at which E = exp(K + u) cannot overflow.
+        u = _lse_rows(k, v)
+        mat = _Stabilised(k, u, v)
+        for t in range(n_iters):
+            if t > 0:
+                mat.refresh(u, v)
+                u = mat.row_update(v)
+            mat.refresh(u, v)
+            v = mat.col_update(u)
+            us[lo:hi, t] = u
+            vs[lo:hi, t] = v
+        # P = diag(e^(u - u_ref)) E diag(e^(v - v_ref)); masks are W P, so rows of W are scaled before the product.
+        mat.refresh(u, v, force=True)
+        masks[lo:hi] = torch.matmul(weights, mat.e)
+    return masks, us, vs
+
+
+def _structured_backward(
+    grad_masks: torch.Tensor,
+    scores: torch.Tensor,
+    weights: torch.Tensor,
+    tau: float,
+    noise: float,
+    seeds: torch.Tensor | None,
+    us: torch.Tensor,
+    vs: torch.Tensor,
+) -> torch.Tensor:
+    """d loss / d scores (B, N) float64 by reverse-mode through the unrolled potentials.
+
+    With K = (-(s_i - a_j)^2 + G_ji)/tau, every dK term enters ds only through sum_j dK_ji (s_i - a_j) * (-2/tau), so
+    each step needs the products Q x and Q^T [1, a, du, du*a], never an N x N gradient.
+    """
+    bsz, n = scores.shape
+    n_iters = us.shape[1]
+    s64 = scores.to(torch.float64)
+    anchors = rank_anchors(n, dtype=torch.float64, device=scores.device)
+    gm = grad_masks.to(torch.float64)
+    grad = torch.zeros(bsz, n, dtype=torch.float64, device=scores.device)
+    step = _chunk_size(n)
+    for lo in range(0, bsz, step):
+        hi = min(bsz, lo + step)
+        s = s64[lo:hi]
+        g = None if seeds is None else noise * gumbel_noise(seeds[lo:hi], n, device=scores.device)
+        k = _cost(s, anchors, g, tau)
+        u_t, v_t = us[lo:hi, -1], vs[lo:hi, -1]
+        mat = _Stabilised(k, u_t, v_t)
+        # Direct term: R = dL/dP * P with dL/dP = W^T dM.
+        r = torch.matmul(weights.transpose(0, 1), gm[lo:hi]) * mat.e
+        du = r.sum(2)
+        dv = r.sum(1)
+        # sum_j dK_ji (s_i - a_j) accumulates in acc; ds = -2/tau * acc.
+        acc = s * dv - torch.matmul(anchors, r)
+        for t in range(n_iters - 1, -1, -1):
+            u_t, v_t = us[lo:hi, t], vs[lo:hi, t]
+            v_prev = vs[lo:hi, t - 1] if t > 0 else torch.zeros_like(v_t)
+            # E must cover both Q_t (u_t, v_t) and Q'_t (u_t, v_(t-1)) within the drift window.
+            mat.refresh(u_t, v_t)
+            if bool(((v_prev - mat.v_ref).abs().amax(1) > _DRIFT).any()):
+                mat.refresh(u_t, v_t, force=True)
+            col_v = torch.exp(v_t - mat.v_ref)
+            col_vp = torch.exp(v_prev - mat.v_ref)
+            # v-step: v_t = -LSE_j(K + u_t). dK -= dv_i Q_ji, du_t -= Q dv.
+            du = du - mat.left(u_t, (col_v * dv)[:, :, None]).squeeze(2)
+            ones = torch.ones_like(du)
+            y = torch.stack((ones, anchors.expand_as(du), du, du * anchors), dim=2)
+            prod = mat.right(u_t, y)
+            colsum_q = col_v * prod[:, :, 0]
+            a_q = col_v * prod[:, :, 1]
+            acc = acc - dv * (s * colsum_q - a_q)
+            # u-step: u_t = -LSE_i(K + v_(t-1)). dK -= du_j Q'_ji, dv_(t-1) = -Q'^T du.
+            qt_du = col_vp * prod[:, :, 2]
+            qt_dua = col_vp * prod[:, :, 3]
+            acc = acc - (s * qt_du - qt_dua)
+            dv = -qt_du
+            # u_(t-1) is used only by v_(t-1): its adjoint starts from zero there.
+            du = torch.zeros_like(du)
+        grad[lo:hi] = acc * (-2.0 / tau)
+    return grad
+
+
+class _StructuredSoftTopk(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        scores: torch.Tensor,
+        fractions: torch.Tensor,
+        tau: float,
+        n_iters: int,
+        noise: float,
+        seeds: torch.Tensor | None,
+    ) -> torch.Tensor:
+        weights = prefix_weights(fractions, scores.shape[1])
+        masks, us, vs = _structured_forward(scores, weights, tau, n_iters, noise, seeds)
+        ctx.save_for_backward(scores, weights, us, vs)
+        ctx.tau, ctx.noise, ctx.seeds = tau, noise, seeds
+        return masks.to(scores.dtype)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_masks: torch.Tensor):  # type: ignore[override]
+        scores, weights, us, vs = ctx.saved_tensors
+        grad = _structured_backward(grad_masks, scores, weights, ctx.tau, ctx.noise, ctx.seeds, us, vs)
+        return grad.to(scores.dtype), None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton: fused log-domain sorter; K, the noise and P are recomputed per tile, never stored
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gumbel(seed, offsets):
+    """Philox Gumbel noise for integer ``offsets`` under ``seed``: the same numbers in the forward and backward."""
+    r = tl.maximum(tl.rand(seed, offsets), 1e-10)
+    return -tl.log(-tl.log(r))
+
+
+@triton.jit
+def _cost_tile(
+    s_row,  # pointer to this sample's scores, (N,)
+    offs_j,  # rank-slot indices of the tile, (BLOCK_J,)
+    offs_i,  # cell indices of the tile, (BLOCK_I,)
+    N,
+    anchor_step,  # 1 / (N - 1), or 0 when N == 1: a_j = 1 - j * anchor_step
+    seed,  # this sample's Philox seed
+    noise,  # Gumbel scale
+    inv_tau,
+    HAS_NOISE: tl.constexpr,
+):
+    """K tile (BLOCK_J, BLOCK_I) in fp32; -inf outside the N x N matrix so padded lanes drop out of every sum."""
+    mask_j = offs_j < N
+    mask_i = offs_i < N
+    s = tl.load(s_row + offs_i, mask=mask_i, other=0.0).to(tl.float32)
+    a = 1.0 - offs_j.to(tl.float32) * anchor_step
+    d = s[None, :] - a[:, None]
+    k = -d * d
+    if HAS_NOISE:
+        k += noise * _gumbel(seed, offs_j[:, None] * N + offs_i[None, :])
+    k = k * inv_tau
+    return tl.where(mask_j[:, None] & mask_i[None, :], k, float("-inf"))
+
+
+@triton.jit
+def _soft_topk_fwd_kernel(
+    s_ptr,  # scores, (B, N) fp32 contiguous
+    w_ptr,  # prefix weights W, (S, N) fp32 contiguous
+    u_ptr,  # out: row potentials of every iteration, (B, T, N) fp32
+    v_ptr,  # out: column potentials of every iteration, (B, T, N) fp32
+    m_ptr,  # out: masks, (B, S, N) fp32
+    N,
+    S,
+    T,
+    anchor_step,
+    seed,
+    noise,
+    inv_tau,
+    HAS_NOISE: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    s_row = s_ptr + b * N
+    seed_b = seed + b
+    u_row = u_ptr + b * T * N
+    v_row = v_ptr + b * T * N
+    ar_j = tl.arange(0, BLOCK_J)
+    ar_i = tl.arange(0, BLOCK_I)
+    for t in range(T):
+        # Row half-step: u_t[j] = -LSE_i(K[j, i] + v_(t-1)[i]), v_(-1) = 0; online over column tiles.
+        for j0 in range(0, N, BLOCK_J):
+            offs_j = j0 + ar_j
+            run_max = tl.full([BLOCK_J], float("-inf"), tl.float32)
+            run_sum = tl.zeros([BLOCK_J], tl.float32)
+            for i0 in range(0, N, BLOCK_I):
+                offs_i = i0 + ar_i
+                x = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed_b, noise, inv_tau, HAS_NOISE)
+                x += tl.load(v_row + (t - 1) * N + offs_i, mask=(offs_i < N) & (t > 0), other=0.0)[None, :]
+                new_max = tl.maximum(run_max, tl.max(x, axis=1))
+                safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+                run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(x - safe[:, None]), axis=1)
+                run_max = new_max
+            tl.store(
+                u_row + t * N + offs_j, -(run_max + tl.log(tl.where(run_sum > 0.0, run_sum, 1.0))), mask=offs_j < N
+            )
+        tl.debug_barrier()
+        # Column half-step: v_t[i] = -LSE_j(K[j, i] + u_t[j]); online over row tiles.
+        for i0 in range(0, N, BLOCK_I):
+            offs_i = i0 + ar_i
+            run_max = tl.full([BLOCK_I], float("-inf"), tl.float32)
+            run_sum = tl.zeros([BLOCK_I], tl.float32)
+            for j0 in range(0, N, BLOCK_J):
+                offs_j = j0 + ar_j
+                x = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed_b, noise, inv_tau, HAS_NOISE)
+                x += tl.load(u_row + t * N + offs_j, mask=offs_j < N, other=0.0)[:, None]
+                new_max = tl.maximum(run_max, tl.max(x, axis=0))
+                safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+                run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(x - safe[None, :]), axis=0)
+                run_max = new_max
+            tl.store(
+                v_row + t * N + offs_i, -(run_max + tl.log(tl.where(run_sum > 0.0, run_sum, 1.0))), mask=offs_i < N
+            )
+        tl.debug_barrier()
+    # Masks M = W P, accumulated per column tile: P is formed tile by tile and never written.
+    offs_s = tl.arange(0, BLOCK_S)
+    for i0 in range(0, N, BLOCK_I):
+        offs_i = i0 + ar_i
+        v_last = tl.load(v_row + (T - 1) * N + offs_i, mask=offs_i < N, other=0.0)
+        acc = tl.zeros([BLOCK_S, BLOCK_I], tl.float32)
+        for j0 in range(0, N, BLOCK_J):
+            offs_j = j0 + ar_j
+            k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed_b, noise, inv_tau, HAS_NOISE)
+            u_last = tl.load(u_row + (T - 1) * N + offs_j, mask=offs_j < N, other=0.0)
+            # Entries of a column-normalised plan are <= 1; the clamp guards fp32 rounding at extreme scales.
+            p = tl.exp(tl.minimum(k + u_last[:, None] + v_last[None, :], 0.0))
+            w = tl.load(
+                w_ptr + offs_s[:, None] * N + offs_j[None, :],
+                mask=(offs_s[:, None] < S) & (offs_j[None, :] < N),
+                other=0.0,
+            )
+            acc += tl.dot(w, p, input_precision="ieee")
+        tl.store(
+            m_ptr + b * S * N + offs_s[:, None] * N + offs_i[None, :],
+            acc,
+            mask=(offs_s[:, None] < S) & (offs_i[None, :] < N),
+        )
+
+
+@triton.jit
+def _soft_topk_bwd_kernel(
+    s_ptr,  # scores, (B, N) fp32
+    w_ptr,  # prefix weights W, (S, N) fp32
+    u_ptr,  # saved row potentials, (B, T, N) fp32
+    v_ptr,  # saved column potentials, (B, T, N) fp32
+    gm_ptr,  # incoming gradient of the masks, (B, S, N) fp32 contiguous
+    du_ptr,  # scratch: adjoint of the current row potential, (B, N) fp32
+    dv_ptr,  # scratch: adjoint of the current column potential, (B, N) fp32
+    acc_ptr,  # scratch: sum_j dK[j, i] (s_i - a_j), (B, N) fp32
+    ds_ptr,  # out: gradient of the scores, (B, N) fp32
+    N,
+    S,
+    T,
+    anchor_step,
+    seed,
+    noise,
+    inv_tau,
+    HAS_NOISE: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    s_row = s_ptr + b * N
+    seed_b = seed + b
+    u_row = u_ptr + b * T * N
+    v_row = v_ptr + b * T * N
+    du_row = du_ptr + b * N
+    dv_row = dv_ptr + b * N
+    acc_row = acc_ptr + b * N
+    ar_j = tl.arange(0, BLOCK_J)
+    ar_i = tl.arange(0, BLOCK_I)
+    offs_s = tl.arange(0, BLOCK_S)
+    last = (T - 1) * N
+    # Direct term R = (W^T dM) * P. Row sums seed du, column sums seed dv and the score accumulator.
+    for j0 in range(0, N, BLOCK_J):
+        offs_j = j0 + ar_j
+        u_last = tl.load(u_row + last + offs_j, mask=offs_j < N, other=0.0)
+        w_t = tl.load(
+            w_ptr + offs_s[None, :] * N + offs_j[:, None], mask=(offs_s[None, :] < S) & (offs_j[:, None] < N), other=0.0
+        )
+        row = tl.zeros([BLOCK_J], tl.float32)
+        for i0 in range(0, N, BLOCK_I):
+            offs_i = i0 + ar_i
+            k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed_b, noise, inv_tau, HAS_NOISE)
+            v_last = tl.load(v_row + last + offs_i, mask=offs_i < N, other=0.0)
+            p = tl.exp(tl.minimum(k + u_last[:, None] + v_last[None, :], 0.0))
+            gm = tl.load(
+                gm_ptr + b * S * N + offs_s[:, None] * N + offs_i[None, :],
+                mask=(offs_s[:, None] < S) & (offs_i[None, :] < N),
+                other=0.0,
+            )
+            row += tl.sum(tl.dot(w_t, gm, input_precision="ieee") * p, axis=1)
+        tl.store(du_row + offs_j, row, mask=offs_j < N)
+    for i0 in range(0, N, BLOCK_I):
+        offs_i = i0 + ar_i
+        s = tl.load(s_row + offs_i, mask=offs_i < N, other=0.0)
+        v_last = tl.load(v_row + last + offs_i, mask=offs_i < N, other=0.0)
+        gm = tl.load(
+            gm_ptr + b * S * N + offs_s[:, None] * N + offs_i[None, :],
+            mask=(offs_s[:, None] < S) & (offs_i[None, :] < N),
+            other=0.0,
+        )
+        col = tl.zeros([BLOCK_I], tl.float32)
+        col_a = tl.zeros([BLOCK_I], tl.float32)
+        for j0 in range(0, N, BLOCK_J):
+            offs_j = j0 + ar_j
+            k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed_b, noise, inv_tau, HAS_NOISE)
+            u_last = tl.load(u_row + last + offs_j, mask=offs_j < N, other=0.0)
+            w_t = tl.load(
+                w_ptr + offs_s[None, :] * N + offs_j[:, None],
+                mask=(offs_s[None, :] < S) & (offs_j[:, None] < N),
+                other=0.0,
+            )
+            r = tl.dot(w_t, gm, input_precision="ieee") * tl.exp(tl.minimum(k + u_last[:, None] + v_last[None, :], 0.0))
+            a = 1.0 - offs_j.to(tl.float32) * anchor_step
+            col += tl.sum(r, axis=0)
+            col_a += tl.sum(r * a[:, None], axis=0)
+        tl.store(dv_row + offs_i, col, mask=offs_i < N)
+        tl.store(acc_row + offs_i, s * col - col_a, mask=offs_i < N)
+    tl.debug_barrier()
+    for step in range(T):
+        t = T - 1 - step
+        # v-step, row pass: du_t[j] = (direct if t is last else 0) - sum_i Q[j, i] dv_t[i], Q = exp(K + u_t + v_t).
+        for j0 in range(0, N, BLOCK_J):
+            offs_j = j0 + ar_j
+            u_t = tl.load(u_row + t * N + offs_j, mask=offs_j < N, other=0.0)
+            row = tl.zeros([BLOCK_J], tl.float32)
+            for i0 in range(0, N, BLOCK_I):
+                offs_i = i0 + ar_i
+                k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed_b, noise, inv_tau, HAS_NOISE)
+                v_t = tl.load(v_row + t * N + offs_i, mask=offs_i < N, other=0.0)
+                dv = tl.load(dv_row + offs_i, mask=offs_i < N, other=0.0)
+                q = tl.exp(tl.minimum(k + u_t[:, None] + v_t[None, :], 0.0))
+                row += tl.sum(q * dv[None, :], axis=1)
+            base = tl.load(du_row + offs_j, mask=offs_j < N, other=0.0)
+            base = tl.where(step == 0, base, 0.0)
+            tl.store(du_row + offs_j, base - row, mask=offs_j < N)
+        tl.debug_barrier()
+        # Column pass: the v-step's dK term, then the u-step (Q' = exp(K + u_t + v_(t-1))) and dv_(t-1) = -Q'^T du_t.
+        for i0 in range(0, N, BLOCK_I):
+            offs_i = i0 + ar_i
+            s = tl.load(s_row + offs_i, mask=offs_i < N, other=0.0)
+            v_t = tl.load(v_row + t * N + offs_i, mask=offs_i < N, other=0.0)
+            v_prev = tl.load(v_row + (t - 1) * N + offs_i, mask=(offs_i < N) & (t > 0), other=0.0)
+            q_col = tl.zeros([BLOCK_I], tl.float32)
+            q_col_a = tl.zeros([BLOCK_I], tl.float32)
+            qp_du = tl.zeros([BLOCK_I], tl.float32)
+            qp_du_a = tl.zeros([BLOCK_I], tl.float32)
+            for j0 in range(0, N, BLOCK_J):
+                offs_j = j0 + ar_j
+                k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed_b, noise, inv_tau, HAS_NOISE)
+                u_t = tl.load(u_row + t * N + offs_j, mask=offs_j < N, other=0.0)
+                du = tl.load(du_row + offs_j, mask=offs_j < N, other=0.0)
+                a = 1.0 - offs_j.to(tl.float32) * anchor_step
+                x = k + u_t[:, None]
+                q = tl.exp(tl.minimum(x + v_t[None, :], 0.0))
+                qp = tl.exp(tl.minimum(x + v_prev[None, :], 0.0))
+                q_col += tl.sum(q, axis=0)
+                q_col_a += tl.sum(q * a[:, None], axis=0)
+                qp_du += tl.sum(qp * du[:, None], axis=0)
+                qp_du_a += tl.sum(qp * (du * a)[:, None], axis=0)
+            dv = tl.load(dv_row + offs_i, mask=offs_i < N, other=0.0)
+            acc = tl.load(acc_row + offs_i, mask=offs_i < N, other=0.0)
+            acc = acc - dv * (s * q_col - q_col_a) - (s * qp_du - qp_du_a)
+            tl.store(acc_row + offs_i, acc, mask=offs_i < N)
+            tl.store(dv_row + offs_i, -qp_du, mask=offs_i < N)
+        tl.debug_barrier()
+    for i0 in range(0, N, BLOCK_I):
+        offs_i = i0 + ar_i
+        acc = tl.load(acc_row + offs_i, mask=offs_i < N, other=0.0)
+        tl.store(ds_ptr + b * N + offs_i, acc * (-2.0 * inv_tau), mask=offs_i < N)
+
+
+@triton.jit
+def _gumbel_fill_kernel(
+    g_ptr,  # out: noise, (B, N, N) fp32
+    N,
+    seed,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    blk = tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    tl.store(g_ptr + b * N * N + offs, _gumbel(seed + b, offs), mask=offs < N * N)
+
+
+def _blocks(n: int, s: int) -> tuple[int, int, int]:
+    # tl.dot needs every dimension >= 16; 64 x 64 fp32 tiles keep a program's working set in registers.
+    block = max(16, min(64, triton.next_power_of_2(n)))
+    return block, block, max(16, triton.next_power_of_2(s))
+
+
+def _anchor_step(n: int) -> float:
+    return 1.0 / (n - 1) if n > 1 else 0.0
+
+
+@torch.library.triton_op("attr_engine::soft_topk_fwd", mutates_args={})
+def _soft_topk_fwd_op(
+    scores: torch.Tensor, weights: torch.Tensor, tau: float, n_iters: int, noise: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused forward. scores (B, N) fp32, weights (S, N) fp32 -> masks (B, S, N), u and v (B, T, N), all fp32."""
+    bsz, n = scores.shape
+    n_frac = weights.shape[0]
+    masks = scores.new_empty(bsz, n_frac, n)
+    us = scores.new_empty(bsz, n_iters, n)
+    vs = scores.new_empty(bsz, n_iters, n)
+    block_j, block_i, block_s = _blocks(n, n_frac)
+    torch.library.wrap_triton(_soft_topk_fwd_kernel)[(bsz,)](
+        scores, weights, us, vs, masks, n, n_frac, n_iters, _anchor_step(n), seed, noise, 1.0 / tau,
+        HAS_NOISE=noise > 0, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_S=block_s,
+    )  # fmt: skip
+    return masks, us, vs
+
+
+@torch.library.triton_op("attr_engine::soft_topk_bwd", mutates_args={})
+def _soft_topk_bwd_op(
+    grad_masks: torch.Tensor,
+    scores: torch.Tensor,
+    weights: torch.Tensor,
+    us: torch.Tensor,
+    vs: torch.Tensor,
+    tau: float,
+    noise: float,
+    seed: int,
+) -> torch.Tensor:
+    """Fused backward: d loss / d scores (B, N) fp32 from the mask gradient (B, S, N) and the saved potentials."""
+    bsz, n = scores.shape
+    n_frac = weights.shape[0]
+    scratch = scores.new_empty(3, bsz, n)
+    grad = torch.empty_like(scores)
+    block_j, block_i, block_s = _blocks(n, n_frac)
+    torch.library.wrap_triton(_soft_topk_bwd_kernel)[(bsz,)](
+        scores, weights, us, vs, grad_masks, scratch[0], scratch[1], scratch[2], grad,
+        n, n_frac, us.shape[1], _anchor_step(n), seed, noise, 1.0 / tau,
+        HAS_NOISE=noise > 0, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_S=block_s,
+    )  # fmt: skip
+    return grad
+
+
+def _soft_topk_setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+    scores, weights, tau, _, noise, seed = inputs
+    _, us, vs = output
+    ctx.save_for_backward(scores, weights, us, vs)
+    ctx.tau, ctx.noise, ctx.seed = tau, noise, seed
+
+
+def _soft_topk_backward(ctx: torch.autograd.function.FunctionCtx, grad_masks: torch.Tensor, *_: torch.Tensor):
+    scores, weights, us, vs = ctx.saved_tensors
+    grad = _soft_topk_bwd_op(grad_masks.contiguous(), scores, weights, us, vs, ctx.tau, ctx.noise, ctx.seed)
+    return grad, None, None, None, None, None
+
+
+_soft_topk_fwd_op.register_autograd(_soft_topk_backward, setup_context=_soft_topk_setup_context)
+
+
+def triton_gumbel_noise(seed: int, batch: int, n: int, device: torch.device | str) -> torch.Tensor:
+    """The Gumbel noise (B, N, N) the fused sorter regenerates in-kernel for ``seed``, materialised (for tests)."""
+    out = torch.empty(batch, n, n, dtype=torch.float32, device=device)
+    block = 1024
+    _gumbel_fill_kernel[(batch, triton.cdiv(n * n, block))](out, n, seed, BLOCK=block)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public op
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def soft_topk_masks(
+    scores: torch.Tensor,
+    fractions: torch.Tensor | Sequence[float],
+    *,
+    tau: float,
+    n_iters: int,
+    noise: float = 1.0,
+    generator: torch.Generator | int | None = None,
+) -> torch.Tensor:
+    """Soft top-k membership masks of N cells for S fractions, through a Gumbel-Sinkhorn soft permutation.
+
+    Args:
+        scores: (B, N) region scores (higher = more important). float32/float16/bfloat16/float64, finite.
+        fractions: (S,) fractions in [0, 1]; fraction f selects the top f * N cells (linear interpolation between
+            the neighbouring integer counts).
+        tau: Sinkhorn temperature (> 0); lower is closer to a hard ranking and needs more iterations. The cost is
+            measured against anchors in [0, 1], so scores of order one (e.g. a normalised map) make tau meaningful;
+            scores of scale 1e4 give a nearly degenerate problem whose rank-slot marginals converge only after
+            thousands of iterations (the output stays finite and every cell's memberships still sum to one).
+        n_iters: Sinkhorn iterations (>= 1); each normalises over cells, then over rank slots.
+        noise: scale of the Gumbel noise (0 gives the deterministic Sinkhorn sort).
+        generator: a ``torch.Generator`` or an integer seed for the noise; ``None`` draws from torch's global
+            generator. The same seed gives bit-identical masks on the same backend.
+
+    Returns:
+        M: (B, S, N) in the dtype of ``scores``; M[b, s, i] is cell i's soft membership in the top fractions[s] * N.
+        Every cell's memberships over rank slots sum to one, so M[:, s].sum(-1) ~= fractions[s] * N.
+        Differentiable with respect to ``scores``.
+    """
+    fractions = _check_inputs(scores, fractions, tau, n_iters, noise)
+    bsz, n = scores.shape
+    seeds = _sample_seeds(bsz, generator, scores.device) if noise > 0 else None
+    if use_triton(scores):
+        weights = prefix_weights(fractions, n).to(torch.float32).contiguous()
+        seed = int(seeds[0]) if seeds is not None else 0
+        masks, _, _ = _soft_topk_fwd_op(scores.to(torch.float32).contiguous(), weights, tau, n_iters, noise, seed)
+        return masks.to(scores.dtype)
+    return _StructuredSoftTopk.apply(scores, fractions, float(tau), int(n_iters), float(noise), seeds)
