@@ -2,4 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+from attr_engine.classifier import Classifier, load_classifier
+from attr_engine.train import train_classifier
+
+__all__ = ["Classifier", "__version__", "load_classifier", "train_classifier"]

@@ -1,0 +1,346 @@
+"""The model adapter every attribution method talks to: [0, 1] RGB in, logits out, weights frozen.
+
+Attribution methods perturb, blend and differentiate *images*, so the classifier boundary is fixed at RGB in
+[0, 1]; the model's own normalisation lives inside :class:`Classifier` as buffers. The wrapped model is frozen
+(eval mode, no parameter gradients): gradients still flow to the input, which is what attribution needs, and
+BatchNorm/dropout never change behaviour between the forward passes an explanation compares.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import timm
+import torch
+from torch import nn
+
+from attr_engine.checkpoint import load_safetensors, save_safetensors
+from kernels._validate import check_tensor
+
+__all__ = ["Classifier", "load_classifier", "save_classifier"]
+
+# Marks a safetensors file written by save_classifier; its metadata can rebuild the architecture.
+_CHECKPOINT_FORMAT = "attr_engine.classifier/1"
+
+
+def _as_triple(values: Sequence[float] | torch.Tensor, name: str) -> tuple[float, float, float]:
+    try:
+        triple = tuple(float(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values))
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be three numbers (one per RGB channel), got {values!r}") from None
+    if len(triple) != 3:
+        raise ValueError(f"{name} must have 3 entries (one per RGB channel), got {len(triple)}")
+    if not all(abs(v) < float("inf") for v in triple):
+        raise ValueError(f"{name} must be finite, got {triple}")
+    return triple  # type: ignore[return-value]
+
+
+def _model_input_size(model: nn.Module) -> tuple[int, int, int] | None:
+    """Best-known (C, H, W) the model expects: a fixed patch-embed grid beats the pretrained config."""
+    img_size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if img_size is not None:
+        h, w = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        return (3, int(h), int(w))
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    size = cfg.get("input_size")
+    if size is not None and len(size) == 3:
+        return tuple(int(s) for s in size)  # type: ignore[return-value]
+    return None
+
+
+class Classifier(nn.Module):
+    """A frozen image classifier taking RGB images in [0, 1].
+
+    ``forward(x)`` computes ``model((x - mean) / std)``.
+
+    Args:
+        model: any classifier mapping normalised ``(B, 3, H, W)`` images to ``(B, K)`` logits. It is frozen *in
+            place* (``requires_grad_(False)``, eval mode).
+        mean, std: per-channel normalisation. ``None`` takes them from ``model.pretrained_cfg`` (timm models);
+            for other models they must be given (pass ``(0, 0, 0)`` / ``(1, 1, 1)`` for models trained on raw
+            [0, 1] pixels).
+        input_size: ``(C, H, W)`` the model was built for; ``None`` infers it from a fixed patch embedding or the
+            timm pretrained config, and stays ``None`` if neither exists.
+        num_classes: number of logits; ``None`` reads ``model.num_classes`` or, failing that, runs one probe
+            forward pass on first access.
+        validate_inputs: check every input (rank, channels, dtype, finiteness). The finiteness check forces a
+            host-device sync, so hot loops on GPU may turn it off.
+
+    Frozen means frozen: ``.train(True)`` is accepted (so a parent module's ``.train()`` works) but leaves the
+    wrapped model in eval mode and ``self.training`` False. Code that really wants to fine-tune calls
+    ``classifier.model.train()`` and re-enables gradients itself, then ``classifier.freeze()``
+    (``train_classifier`` does exactly this).
+
+    Input values outside [0, 1] are not rejected: perturbation baselines (noise, blur) legitimately overshoot.
+
+    Example:
+        >>> clf = load_classifier("resnet18", num_classes=10)  # doctest: +SKIP
+        >>> logits = clf(torch.rand(2, 3, 224, 224))  # (2, 10)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mean: Sequence[float] | torch.Tensor | None = None,
+        std: Sequence[float] | torch.Tensor | None = None,
+        *,
+        input_size: Sequence[int] | None = None,
+        num_classes: int | None = None,
+        validate_inputs: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        cfg = getattr(model, "pretrained_cfg", None) or {}
+        if mean is None:
+            mean = cfg.get("mean")
+        if std is None:
+            std = cfg.get("std")
+        if mean is None or std is None:
+            raise ValueError(
+                f"{type(model).__name__} has no pretrained_cfg to read mean/std from; pass mean= and std= "
+                "(e.g. the ImageNet values, or (0, 0, 0) and (1, 1, 1) for a model trained on raw [0, 1] pixels)"
+            )
+        mean_t, std_t = _as_triple(mean, "mean"), _as_triple(std, "std")
+        if not all(s > 0 for s in std_t):
+            raise ValueError(f"std must be positive, got {std_t}")
+        if input_size is not None:
+            input_size = tuple(int(s) for s in input_size)
+            if len(input_size) != 3 or input_size[0] != 3 or min(input_size) < 1:
+                raise ValueError(f"input_size must be (3, H, W) with positive H and W, got {input_size}")
+        else:
+            input_size = _model_input_size(model)
+        if num_classes is None:
+            attr = getattr(model, "num_classes", None)
+            num_classes = attr if isinstance(attr, int) and attr > 0 else None
+        elif isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+            raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+
+        self._model = model
+        self._input_size: tuple[int, int, int] | None = input_size
+        self._num_classes: int | None = num_classes
+        self.validate_inputs = validate_inputs
+        # Set by load_classifier / train_classifier so save_classifier can record how to rebuild the model.
+        self.model_name: str | None = None
+        self.model_kwargs: dict[str, Any] = {}
+        param = next(model.parameters(), None)
+        device = param.device if param is not None else None
+        # (1, 3, 1, 1) so they broadcast over (B, 3, H, W); saved with the state dict so a checkpoint is complete.
+        self.register_buffer("norm_mean", torch.tensor(mean_t, device=device).view(1, 3, 1, 1))
+        self.register_buffer("norm_std", torch.tensor(std_t, device=device).view(1, 3, 1, 1))
+        self.freeze()
+
+    @property
+    def model(self) -> nn.Module:
+        """The wrapped (frozen) model, which expects normalised input."""
+        return self._model
+
+    @property
+    def mean(self) -> tuple[float, float, float]:
+        """Per-channel normalisation mean."""
+        return tuple(self.norm_mean.flatten().tolist())  # type: ignore[return-value]
+
+    @property
+    def std(self) -> tuple[float, float, float]:
+        """Per-channel normalisation standard deviation."""
+        return tuple(self.norm_std.flatten().tolist())  # type: ignore[return-value]
+
+    @property
+    def input_size(self) -> tuple[int, int, int] | None:
+        """``(3, H, W)`` the model was built or trained for, or ``None`` if unknown."""
+        return self._input_size
+
+    @property
+    def num_classes(self) -> int:
+        """Number of logits K."""
+        if self._num_classes is None:
+            _, h, w = self._input_size or (3, 224, 224)
+            probe = torch.zeros(1, 3, h, w, device=self.norm_mean.device, dtype=self.norm_mean.dtype)
+            with torch.no_grad():
+                self._num_classes = int(self.forward(probe).shape[-1])
+        return self._num_classes
+
+    def freeze(self) -> Classifier:
+        """Put the wrapped model in eval mode and turn off its parameter gradients; returns ``self``."""
+        self._model.requires_grad_(False)
+        self._model.eval()
+        self.training = False
+        return self
+
+    def train(self, mode: bool = True) -> Classifier:
+        """Keep eval mode whatever ``mode`` says (see the class docstring)."""
+        return self.freeze()
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: (B, 3, H, W)`` in [0, 1] -> the model's normalised input, same shape and dtype."""
+        return (x - self.norm_mean.to(x.dtype)) / self.norm_std.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: (B, 3, H, W)`` RGB in [0, 1] -> logits ``(B, K)``.
+
+        Raises:
+            ValueError: if ``x`` is not a finite floating-point ``(B, 3, H, W)`` tensor (when ``validate_inputs``).
+        """
+        if self.validate_inputs:
+            check_tensor(x, "x", ndim=4, finite=True)
+            if x.shape[1] != 3:
+                raise ValueError(f"x must be RGB images (B, 3, H, W), got {x.shape[1]} channels: {tuple(x.shape)}")
+        logits = self._model(self.normalize(x))
+        if logits.ndim != 2:
+            raise ValueError(f"the wrapped model must return (B, K) logits, got shape {tuple(logits.shape)}")
+        return logits
+
+    def extra_repr(self) -> str:
+        return f"mean={self.mean}, std={self.std}, input_size={self._input_size}"
+
+
+def _unknown_model_error(name: str) -> ValueError:
+    names = timm.list_models()
+    # Pattern matches catch families ("vit_tiny" -> every vit_tiny_*); difflib catches typos ("resnt18").
+    fragments = [f for f in name.lower().replace("-", "_").split("_") if len(f) >= 3][:2]
+    pattern_hits = timm.list_models(f"*{'*'.join(fragments)}*") if fragments else []
+    close = difflib.get_close_matches(name, names, n=8, cutoff=0.6)
+    suggestions = list(dict.fromkeys([*close, *pattern_hits]))[:12]
+    hint = f" Close matches: {', '.join(suggestions)}." if suggestions else ""
+    return ValueError(f"unknown timm model {name!r}.{hint} See timm.list_models() for all names.")
+
+
+def _accepts_img_size(name: str) -> bool:
+    # timm marks models whose architecture is tied to the input size (ViT, Swin, ...) with fixed_input_size; those
+    # take an img_size kwarg, while CNNs reject it (TypeError) and run at any size anyway.
+    cfg = timm.models.get_pretrained_cfg(name)
+    return bool(cfg is not None and getattr(cfg, "fixed_input_size", False))
+
+
+def load_classifier(
+    name: str,
+    *,
+    pretrained: bool = False,
+    num_classes: int | None = None,
+    img_size: int | None = None,
+    checkpoint: str | os.PathLike[str] | None = None,
+    **model_kwargs: Any,
+) -> Classifier:
+    """Build a timm model by name and wrap it in a frozen :class:`Classifier`.
+
+    Args:
+        name: timm model name (``timm.list_models()``, optionally with a pretrained tag such as
+            ``"resnet50.a1_in1k"``), or an ``"hf-hub:org/repo"`` / ``"local-dir:path"`` name timm resolves.
+        pretrained: download timm's pretrained weights (needs network access on first use).
+        num_classes: number of logits; ``None`` keeps the model default (1000 for ImageNet models), or the value
+            stored in ``checkpoint`` if it was written by :func:`save_classifier`.
+        img_size: square input size. Passed to models with a size-dependent architecture (ViT-family: patch grid
+            and position embeddings); for other models (CNNs) it is only recorded as ``input_size``.
+        checkpoint: a safetensors file with the model's state dict (or a whole Classifier's, normalisation
+            buffers included), loaded strictly. Files written by :func:`save_classifier` also carry
+            ``num_classes``, ``img_size``, model kwargs and mean/std, used wherever the caller leaves them unset.
+        **model_kwargs: forwarded to ``timm.create_model`` (e.g. ``depth=4, embed_dim=96``).
+
+    Raises:
+        ValueError: unknown model name (with close matches), a checkpoint that is corrupt, was written for
+            another architecture or does not match it (naming the file).
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"name must be a timm model name (str), got {type(name).__name__}")
+    # "hf-hub:org/repo" and "local-dir:/path" names are resolved by timm itself and not in its registry.
+    external = timm.models.parse_model_name(name)[0] is not None
+    if not external and not timm.is_model(name):
+        raise _unknown_model_error(name)
+    if pretrained and checkpoint is not None:
+        raise ValueError("pass pretrained=True or checkpoint=..., not both (the checkpoint would overwrite it)")
+    if img_size is not None and (isinstance(img_size, bool) or not isinstance(img_size, int) or img_size < 1):
+        raise ValueError(f"img_size must be a positive int, got {img_size!r}")
+
+    state: dict[str, torch.Tensor] | None = None
+    mean = std = None
+    if checkpoint is not None:
+        state, meta = load_safetensors(checkpoint)
+        if meta.get("format") == _CHECKPOINT_FORMAT:
+            saved_name = meta.get("model_name")
+            arch = timm.models.split_model_name_tag  # "resnet50.a1_in1k" and "resnet50" share weights' shapes
+            if saved_name and arch(saved_name)[0] != arch(name)[0]:
+                raise ValueError(f"{checkpoint} was saved for model {saved_name!r}, not {name!r}")
+            try:
+                saved_kwargs = json.loads(meta.get("model_kwargs", "{}"))
+                mean, std = json.loads(meta["mean"]), json.loads(meta["std"])
+                num_classes = num_classes if num_classes is not None else int(meta["num_classes"])
+                if img_size is None and meta.get("img_size"):
+                    img_size = int(meta["img_size"])
+            except (KeyError, ValueError) as err:
+                raise ValueError(f"{checkpoint}: corrupt classifier metadata: {err}") from err
+            model_kwargs = {**saved_kwargs, **model_kwargs}
+        # A Classifier's own state dict nests the model under "_model." next to the normalisation buffers.
+        if any(k.startswith("_model.") for k in state):
+            if mean is None and "norm_mean" in state and "norm_std" in state:
+                mean, std = state["norm_mean"].flatten().tolist(), state["norm_std"].flatten().tolist()
+            state = {k.removeprefix("_model."): v for k, v in state.items() if k.startswith("_model.")}
+
+    create_kwargs = dict(model_kwargs)
+    if num_classes is not None:
+        create_kwargs["num_classes"] = num_classes
+    if img_size is not None and (external or _accepts_img_size(name)):
+        create_kwargs["img_size"] = img_size
+    try:
+        model = timm.create_model(name, pretrained=pretrained, **create_kwargs)
+    except TypeError as err:
+        # An external model's architecture is only known once its config is fetched: a CNN rejects img_size.
+        if not (external and "img_size" in create_kwargs and "img_size" in str(err)):
+            raise
+        del create_kwargs["img_size"]
+        model = timm.create_model(name, pretrained=pretrained, **create_kwargs)
+
+    if state is not None:
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as err:
+            raise ValueError(f"{checkpoint} does not match {name} with {create_kwargs}: {err}") from err
+
+    cfg = timm.data.resolve_model_data_config(model)
+    input_size = (3, img_size, img_size) if img_size is not None else _model_input_size(model)
+    clf = Classifier(
+        model,
+        mean if mean is not None else cfg["mean"],
+        std if std is not None else cfg["std"],
+        input_size=input_size,
+    )
+    clf.model_name = name
+    clf.model_kwargs = dict(model_kwargs)
+    return clf
+
+
+def save_classifier(
+    classifier: Classifier,
+    path: str | os.PathLike[str],
+    *,
+    model_name: str | None = None,
+    model_kwargs: dict[str, Any] | None = None,
+) -> None:
+    """Write the wrapped model's weights plus what :func:`load_classifier` needs to rebuild it (safetensors).
+
+    ``model_name`` / ``model_kwargs`` default to those recorded by :func:`load_classifier` (or
+    ``train_classifier``); kwargs must be JSON-serialisable.
+    """
+    if not isinstance(classifier, Classifier):
+        raise ValueError(f"classifier must be a Classifier, got {type(classifier).__name__}")
+    name = model_name or classifier.model_name
+    kwargs = model_kwargs if model_kwargs is not None else classifier.model_kwargs
+    try:
+        kwargs_json = json.dumps(kwargs)
+    except TypeError as err:
+        raise ValueError(f"model_kwargs must be JSON-serialisable to be stored in {path}: {err}") from err
+    meta = {
+        "format": _CHECKPOINT_FORMAT,
+        "num_classes": str(classifier.num_classes),
+        "mean": json.dumps(classifier.mean),
+        "std": json.dumps(classifier.std),
+        "model_kwargs": kwargs_json,
+    }
+    if name:
+        meta["model_name"] = name
+    if classifier.input_size is not None and classifier.input_size[1] == classifier.input_size[2]:
+        meta["img_size"] = str(classifier.input_size[1])
+    save_safetensors(classifier.model.state_dict(), path, meta)

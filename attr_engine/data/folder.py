@@ -1,0 +1,139 @@
+"""Users' own images: an ImageFolder-style loader returning RGB tensors in [0, 1].
+
+Two layouts are understood:
+
+- ``root/<class_name>/**/<image>``: one label per subfolder, in sorted folder order (files directly in ``root`` are
+  then ignored, as in torchvision's ImageFolder);
+- ``root/<image>`` with no class subfolders: a flat folder of images to explain, every label ``-1``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+from torch.utils.data import Dataset
+
+__all__ = ["IMAGE_EXTENSIONS", "ImageFolderDataset"]
+
+IMAGE_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+
+
+class ImageFolderDataset(Dataset):
+    """Images from a folder tree, as ``(image (3, H, W) float32 in [0, 1], label int)``.
+
+    Args:
+        root: dataset folder (layouts in the module docstring).
+        img_size: ``None`` keeps each image's size; an int resizes the shorter side to ``img_size / crop_pct``
+            and centre-crops ``img_size x img_size`` (the usual evaluation transform).
+        crop_pct: fraction of the resized image kept by the centre crop (1.0: resize the shorter side straight to
+            ``img_size``); ignored when ``img_size`` is None.
+        extensions: file suffixes (case-insensitive) treated as images.
+        skip_unreadable: decode every image up front and drop those that fail, listing them in ``self.skipped``
+            (and in one warning). Costs one full decode per file at construction. When False, a bad file raises
+            ValueError naming it at the time it is loaded.
+
+    Attributes:
+        samples: ``[(path, label), ...]`` in a stable, sorted order.
+        class_names: subfolder names (empty for a flat folder).
+        skipped: ``[(path, reason), ...]`` for files dropped by ``skip_unreadable``.
+
+    Images are decoded with PIL, EXIF-rotated, and converted to RGB (alpha dropped, greyscale replicated).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        img_size: int | None = None,
+        crop_pct: float = 1.0,
+        extensions: Sequence[str] = IMAGE_EXTENSIONS,
+        skip_unreadable: bool = False,
+    ) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"image folder not found: {self.root}")
+        if img_size is not None and (isinstance(img_size, bool) or not isinstance(img_size, int) or img_size < 1):
+            raise ValueError(f"img_size must be a positive int or None, got {img_size!r}")
+        if not 0.0 < float(crop_pct) <= 1.0:
+            raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct!r}")
+        self.img_size = img_size
+        self.crop_pct = float(crop_pct)
+        exts = tuple(e.lower() if e.startswith(".") else f".{e.lower()}" for e in extensions)
+
+        def images_under(folder: Path, recursive: bool) -> list[Path]:
+            files = folder.rglob("*") if recursive else folder.iterdir()
+            return sorted(p for p in files if p.is_file() and p.suffix.lower() in exts and not p.name.startswith("."))
+
+        class_dirs = sorted(d for d in self.root.iterdir() if d.is_dir() and not d.name.startswith("."))
+        class_dirs = [d for d in class_dirs if images_under(d, recursive=True)]
+        if class_dirs:
+            self.class_names: tuple[str, ...] = tuple(d.name for d in class_dirs)
+            samples = [(p, label) for label, d in enumerate(class_dirs) for p in images_under(d, recursive=True)]
+        else:
+            self.class_names = ()
+            samples = [(p, -1) for p in images_under(self.root, recursive=False)]
+        if not samples:
+            raise ValueError(f"no images with extensions {exts} found in {self.root}")
+
+        self.skipped: list[tuple[Path, str]] = []
+        if skip_unreadable:
+            kept = []
+            for path, label in samples:
+                try:
+                    self._decode(path)
+                except ValueError as err:
+                    self.skipped.append((path, str(err.__cause__ or err)))
+                else:
+                    kept.append((path, label))
+            if self.skipped:
+                listed = ", ".join(str(p) for p, _ in self.skipped[:5])
+                more = f" and {len(self.skipped) - 5} more" if len(self.skipped) > 5 else ""
+                warnings.warn(f"skipped {len(self.skipped)} unreadable image(s): {listed}{more}", stacklevel=2)
+            if not kept:
+                raise ValueError(f"every image in {self.root} is unreadable")
+            samples = kept
+        self.samples: list[tuple[Path, int]] = samples
+
+    @property
+    def num_classes(self) -> int:
+        """Number of class subfolders (0 for a flat folder)."""
+        return len(self.class_names)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        path, label = self.samples[index]
+        img = self._decode(path)
+        if self.img_size is not None:
+            img = self._resize_crop(img, self.img_size)
+        array = np.asarray(img, dtype=np.uint8)
+        image = torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255.0)
+        return image, label
+
+    @staticmethod
+    def _decode(path: Path) -> Image.Image:
+        """Fully decode ``path`` to an RGB PIL image; any failure becomes a ValueError naming the file."""
+        try:
+            with Image.open(path) as im:
+                im.load()
+                im = ImageOps.exif_transpose(im)
+                return im.convert("RGB")
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+            # PIL reports truncated or foreign files as OSError / UnidentifiedImageError (an OSError) / SyntaxError.
+            raise ValueError(f"cannot read image {path}: {err}") from err
+
+    def _resize_crop(self, img: Image.Image, size: int) -> Image.Image:
+        w, h = img.size
+        short = max(size, round(size / self.crop_pct))
+        scale = short / min(w, h)
+        new_w, new_h = max(size, round(w * scale)), max(size, round(h * scale))
+        img = img.resize((new_w, new_h), Image.Resampling.BICUBIC, reducing_gap=3.0)
+        left, top = (new_w - size) // 2, (new_h - size) // 2
+        return img.crop((left, top, left + size, top + size))
