@@ -1,8 +1,29 @@
-"""attr-engine: pixel-level attribution for image classifiers (AHA and Semantic Pullback)."""
+"""attr-engine: pixel-level attribution for image classifiers (AHA and Semantic Pullback).
+
+The public API:
+
+- :class:`Classifier`, :func:`load_classifier`, :func:`train_classifier` - the frozen classifier adapter.
+- :class:`AHA`, :class:`AHAConfig` - the amortized explainer.
+- :mod:`attr_engine.metrics` - deletion/insertion and localisation metrics (re-exported here).
+- :mod:`attr_engine.data` - the embedded procedural dataset and an image-folder loader.
+"""
 
 __version__ = "0.1.0"
 
+from attr_engine.aha import AHA, AHAConfig
 from attr_engine.classifier import Classifier, load_classifier
+from attr_engine.metrics import DeletionInsertion, deletion_insertion, energy_pointing_game, pointing_game
 from attr_engine.train import train_classifier
 
-__all__ = ["Classifier", "__version__", "load_classifier", "train_classifier"]
+__all__ = [
+    "AHA",
+    "AHAConfig",
+    "Classifier",
+    "DeletionInsertion",
+    "__version__",
+    "deletion_insertion",
+    "energy_pointing_game",
+    "load_classifier",
+    "pointing_game",
+    "train_classifier",
+]

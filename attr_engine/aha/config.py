@@ -1,0 +1,134 @@
+"""AHAConfig: every knob of the AHA explainer and its training, validated in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from attr_engine.imageops import REFERENCES
+
+FRACTION_SAMPLING = ("linspace", "random")
+TARGET_MODES = ("pred+label", "pred")
+
+
+@dataclass
+class AHAConfig:
+    """Configuration of an AHA explainer (architecture, soft-AUC loss, optimiser).
+
+    Sizes that depend on the input resolution (grid range, peak-penalty window, blur reference) default to ``None``
+    and are derived from the image side by the rules of the official 224 px setting: grids of 7..28 cells (cells of
+    8..32 px), a 15 px peak window and a 37 px blur, scaled proportionally. See :meth:`resolved`.
+
+    Architecture:
+        backbone: ``None`` uses the classifier's own timm backbone; a timm model name uses that model instead
+            (``backbone_pretrained`` loads its weights; its own mean/std are applied).
+        layers: backbone block/stage indices to tap; ``None`` = four evenly spaced blocks for transformers, every
+            stage for CNNs.
+        decoder_dim: channels of the fused decoder.
+        class_dim: size of the learned class embedding joined to every feature position.
+
+    Loss (methods.md section 1):
+        grid_range: inclusive (min, max) grid size drawn per step.
+        random_offset: shift the grid by a random sub-cell offset each step.
+        tau_start, tau_end: Sinkhorn temperature, annealed linearly over training.
+        n_iters: Sinkhorn iterations; noise: Gumbel noise scale.
+        n_fractions: number S of perturbation fractions per curve; fraction_sampling "linspace" (fixed, with
+            endpoints) or "random" (sorted uniform draws plus both endpoints).
+        references: reference images drawn from at random each step ("black", "mean", "blur").
+        peak_weight: weight w of the peak penalty mean(relu(A - avgpool(A))^2); peak_kernel its window.
+        targets: "pred+label" explains the predicted class and the label (or the runner-up where they agree);
+            "pred" only the predicted class.
+
+    Optimiser:
+        lr, weight_decay, warmup (fraction of steps), grad_clip, seed, amp (bf16 autocast of the classifier on
+        CUDA).
+
+    Test-time refinement:
+        refine_lr: step size of each refinement step, in units of the map's standard deviation.
+    """
+
+    backbone: str | None = None
+    backbone_pretrained: bool = False
+    layers: tuple[int, ...] | None = None
+    decoder_dim: int = 64
+    class_dim: int = 32
+
+    grid_range: tuple[int, int] | None = None
+    random_offset: bool = True
+    tau_start: float = 1.0
+    tau_end: float = 0.3
+    n_iters: int = 30
+    noise: float = 1.0
+    n_fractions: int = 16
+    fraction_sampling: str = "linspace"
+    references: tuple[str, ...] = REFERENCES
+    peak_weight: float = 0.0025
+    peak_kernel: int | None = None
+    targets: str = "pred+label"
+
+    lr: float = 3e-4
+    weight_decay: float = 1e-3
+    warmup: float = 0.06
+    grad_clip: float = 1.0
+    seed: int = 42
+    amp: bool = True
+
+    refine_lr: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.layers is not None:
+            self.layers = tuple(int(i) for i in self.layers)
+        if self.grid_range is not None:
+            self.grid_range = tuple(int(g) for g in self.grid_range)  # type: ignore[assignment]
+        self.references = tuple(self.references)
+        _positive_int(self.decoder_dim, "decoder_dim")
+        _positive_int(self.class_dim, "class_dim")
+        _positive_int(self.n_iters, "n_iters")
+        if isinstance(self.n_fractions, bool) or not isinstance(self.n_fractions, int) or self.n_fractions < 2:
+            raise ValueError(f"n_fractions must be an int >= 2 (a curve needs two points), got {self.n_fractions!r}")
+        if self.grid_range is not None:
+            lo, hi = self.grid_range
+            if not 1 <= lo <= hi:
+                raise ValueError(f"grid_range must be (min, max) with 1 <= min <= max, got {self.grid_range}")
+        for name in ("tau_start", "tau_end", "lr", "refine_lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("noise", "peak_weight", "weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.warmup < 1:
+            raise ValueError(f"warmup is a fraction of the steps in [0, 1), got {self.warmup!r}")
+        if self.fraction_sampling not in FRACTION_SAMPLING:
+            raise ValueError(f"fraction_sampling must be one of {FRACTION_SAMPLING}, got {self.fraction_sampling!r}")
+        if not self.references or any(r not in REFERENCES for r in self.references):
+            raise ValueError(f"references must be a non-empty subset of {REFERENCES}, got {self.references!r}")
+        if self.targets not in TARGET_MODES:
+            raise ValueError(f"targets must be one of {TARGET_MODES}, got {self.targets!r}")
+        if self.peak_kernel is not None and (self.peak_kernel < 1 or self.peak_kernel % 2 == 0):
+            raise ValueError(f"peak_kernel must be a positive odd int, got {self.peak_kernel!r}")
+
+    def resolved(self, img_size: int) -> AHAConfig:
+        """A copy with the size-dependent defaults filled in for square-ish images of side ``img_size``."""
+        grid_range = self.grid_range or (max(1, round(img_size / 32)), max(1, round(img_size / 8)))
+        grid_range = (min(grid_range[0], img_size), min(grid_range[1], img_size))
+        peak_kernel = self.peak_kernel or max(3, round(15 * img_size / 224) | 1)
+        return dataclasses.replace(self, grid_range=grid_range, peak_kernel=peak_kernel)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (tuples become lists)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AHAConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are an error so a typo never passes silently."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown AHAConfig fields: {', '.join(unknown)}")
+        return cls(**data)
+
+
+def _positive_int(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -1,0 +1,277 @@
+"""AHA: the amortized explainer (train once per classifier, then one forward pass per image)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from attr_engine.aha.config import AHAConfig
+from attr_engine.aha.explainer import Decoder, FeatureBackbone, build_backbone
+from attr_engine.aha.loss import soft_auc_loss
+from attr_engine.checkpoint import load_json, load_safetensors, save_json, save_safetensors
+from attr_engine.classifier import Classifier
+from attr_engine.imageops import reference_image
+from kernels._validate import check_tensor
+
+_FORMAT = "attr_engine.aha/1"
+WEIGHTS_FILE = "explainer.safetensors"
+CONFIG_FILE = "config.json"
+
+
+def classifier_fingerprint(classifier: Classifier) -> str:
+    """A short hash of the classifier's architecture and weights: a checkpoint records the one it was trained for.
+
+    Parameter names, shapes and per-tensor float64 sums (rounded, so the same weights on another device or after a
+    save/load round trip give the same hash) identify a model without hashing every byte.
+    """
+    digest = hashlib.sha256()
+    for name, value in classifier.model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(str(tuple(value.shape)).encode())
+        if value.is_floating_point() and value.numel():
+            v = value.detach().double()
+            digest.update(f"{v.sum().item():.6e}/{v.abs().sum().item():.6e}".encode())
+    return digest.hexdigest()[:16]
+
+
+class AHA(nn.Module):
+    """Amortized Hybrid Attribution: a decoder trained to minimise soft deletion and maximise soft insertion AUC.
+
+    Args:
+        classifier: the frozen classifier to explain (images in [0, 1]).
+        config: :class:`AHAConfig`; ``None`` uses the defaults.
+        img_size: training/inference resolution used to size the config's scale-dependent defaults; ``None`` takes
+            the classifier's ``input_size`` (224 if unknown).
+
+    Example:
+        >>> aha = AHA(classifier)  # doctest: +SKIP
+        >>> aha.fit(train_set, epochs=1, batch_size=32)  # doctest: +SKIP
+        >>> maps = aha.attribute(images)  # (B, H, W)  # doctest: +SKIP
+    """
+
+    def __init__(self, classifier: Classifier, config: AHAConfig | None = None, *, img_size: int | None = None) -> None:
+        super().__init__()
+        if not isinstance(classifier, Classifier):
+            raise ValueError(f"classifier must be an attr_engine.Classifier, got {type(classifier).__name__}")
+        if classifier.num_classes < 2:
+            raise ValueError("AHA needs a classifier with at least two classes")
+        self.classifier = classifier
+        size = img_size or (classifier.input_size[1] if classifier.input_size is not None else 224)
+        self.img_size = int(size)
+        self.config = (config or AHAConfig()).resolved(self.img_size)
+        self.backbone: FeatureBackbone = build_backbone(
+            classifier, self.config.backbone, self.config.layers, self.config.backbone_pretrained
+        )
+        channels = self.backbone.channels((self.img_size, self.img_size))
+        self.feature_channels = channels
+        # Seeded initialisation: the same config gives the same untrained decoder (and so the same training run).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.config.seed)
+            self.decoder = Decoder(channels, classifier.num_classes, self.config.decoder_dim, self.config.class_dim)
+        self.decoder.to(classifier.norm_mean.device)
+        self.steps_trained = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.classifier.norm_mean.device
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Raw maps. x: (B, 3, H, W) in [0, 1]; target: (B,) classes -> (B, H, W)."""
+        return self.decoder(self.backbone(x), x, target)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Inference
+    # ------------------------------------------------------------------------------------------------------------
+
+    def attribute(
+        self,
+        x: torch.Tensor,
+        target: torch.Tensor | int | None = None,
+        refine_steps: int = 0,
+        *,
+        generator: torch.Generator | int | None = None,
+    ) -> torch.Tensor:
+        """Attribution maps for a batch: one forward pass, plus optional test-time refinement.
+
+        Args:
+            x: (B, 3, H, W) images in [0, 1].
+            target: (B,) or int class to explain; ``None`` explains the predicted class.
+            refine_steps: T gradient steps on this batch's soft deletion/insertion objective, taken on the map
+                itself (normalised steps of ``config.refine_lr`` map standard deviations, each at a grid size and
+                offset drawn from the training range), trading T classifier passes for faithfulness.
+            generator: seeds the refinement's grid draws and Gumbel noise (reproducible refinement).
+
+        Returns:
+            (B, H, W) float32 maps; higher = more important for ``target``.
+        """
+        check_tensor(x, "x", ndim=4, finite=True)
+        if x.shape[1] != 3:
+            raise ValueError(f"x must be (B, 3, H, W), got shape {tuple(x.shape)}")
+        if isinstance(refine_steps, bool) or not isinstance(refine_steps, int) or refine_steps < 0:
+            raise ValueError(f"refine_steps must be an int >= 0, got {refine_steps!r}")
+        target = self._resolve_target(x, target)
+        with torch.no_grad():
+            maps = self(x, target).float()
+        if refine_steps:
+            maps = self._refine(x, maps, target, refine_steps, generator)
+        return maps
+
+    def _resolve_target(self, x: torch.Tensor, target: torch.Tensor | int | None) -> torch.Tensor:
+        if target is None:
+            with torch.no_grad():
+                return self.classifier(x).argmax(dim=1)
+        target = torch.as_tensor(target, device=x.device).long().reshape(-1)
+        if target.numel() == 1:
+            target = target.expand(x.shape[0])
+        if target.shape != (x.shape[0],):
+            raise ValueError(f"target must be an int or have shape ({x.shape[0]},), got {tuple(target.shape)}")
+        if bool(((target < 0) | (target >= self.classifier.num_classes)).any()):
+            raise ValueError(f"target classes must lie in [0, {self.classifier.num_classes}), got {target.tolist()}")
+        return target
+
+    def _refine(
+        self,
+        x: torch.Tensor,
+        maps: torch.Tensor,
+        target: torch.Tensor,
+        steps: int,
+        generator: torch.Generator | int | None,
+    ) -> torch.Tensor:
+        cfg = self.config
+        gen = _as_generator(generator if generator is not None else cfg.seed)
+        reference = reference_image(x, "mean", self.classifier.norm_mean)
+        fractions = torch.linspace(0, 1, cfg.n_fractions, device=x.device)
+        lo, hi = cfg.grid_range  # type: ignore[misc]
+        scale = maps.flatten(1).std(dim=1).clamp_min(1e-8)[:, None, None]
+        current = maps.clone()
+        for _ in range(steps):
+            current.requires_grad_(True)
+            grid = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+            offset = tuple(torch.rand(2, generator=gen).tolist()) if cfg.random_offset else (0.0, 0.0)
+            with torch.enable_grad():
+                result = soft_auc_loss(
+                    self.classifier, x, current, target, reference, grid=grid, fractions=fractions,
+                    tau=cfg.tau_end, n_iters=cfg.n_iters, offset=offset, noise=0.0, amp=cfg.amp,
+                )  # fmt: skip
+                (grad,) = torch.autograd.grad(result.loss * x.shape[0], current)
+            # Normalised descent: each image moves by refine_lr of its own map's spread, whatever its scale.
+            norm = grad.flatten(1).norm(dim=1).clamp_min(1e-12)[:, None, None]
+            step = grad / norm * (maps[0].numel() ** 0.5)
+            current = (current - cfg.refine_lr * scale * step).detach()
+        return current
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Training
+    # ------------------------------------------------------------------------------------------------------------
+
+    def fit(
+        self,
+        data: Dataset | DataLoader,
+        *,
+        epochs: int = 1,
+        batch_size: int = 32,
+        max_steps: int | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | None = None,
+        resume: str | os.PathLike[str] | None = None,
+        num_workers: int = 0,
+        progress: bool = True,
+    ) -> dict[str, list[float]]:
+        """Train the decoder on ``data`` (see :func:`attr_engine.aha.trainer.fit` for every detail).
+
+        Returns:
+            History with per-step ``loss``, ``deletion``, ``insertion``, ``tau`` and ``lr``.
+        """
+        from attr_engine.aha.trainer import fit
+
+        return fit(
+            self, data, epochs=epochs, batch_size=batch_size, max_steps=max_steps, checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every, resume=resume, num_workers=num_workers, progress=progress,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Persistence
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _metadata(self) -> dict[str, Any]:
+        return {
+            "format": _FORMAT,
+            "classifier": classifier_fingerprint(self.classifier),
+            "num_classes": self.classifier.num_classes,
+            "img_size": self.img_size,
+            "feature_channels": self.feature_channels,
+            "steps_trained": self.steps_trained,
+            "config": self.config.to_dict(),
+        }
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the trained decoder to directory ``path``: ``explainer.safetensors`` + ``config.json``.
+
+        Only the decoder is saved; the frozen backbone comes from the classifier (or timm) when loading. Each file is
+        written atomically, the weights first, so a crash never leaves a config pointing at missing weights.
+        """
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = self._metadata()
+        save_safetensors(
+            self.decoder.state_dict(),
+            out / WEIGHTS_FILE,
+            {"format": _FORMAT, "classifier": meta["classifier"], "steps_trained": str(self.steps_trained)},
+        )
+        save_json(meta, out / CONFIG_FILE)
+        return out
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], classifier: Classifier) -> AHA:
+        """Rebuild an explainer saved by :meth:`save` (or a training checkpoint) for ``classifier``.
+
+        Raises:
+            FileNotFoundError: the directory or one of its files is missing.
+            ValueError: the files are corrupt, of another format, inconsistent with each other, or were made for
+                a different classifier.
+        """
+        src = Path(path)
+        if not src.is_dir():
+            raise FileNotFoundError(f"AHA checkpoint directory not found: {src}")
+        meta = load_json(src / CONFIG_FILE)
+        if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+            raise ValueError(f"{src / CONFIG_FILE} is not an AHA checkpoint config (format {_FORMAT})")
+        state, weights_meta = load_safetensors(src / WEIGHTS_FILE, device=classifier.norm_mean.device)
+        if weights_meta.get("classifier") != meta.get("classifier"):
+            raise ValueError(f"{src}: weights and config belong to different checkpoints (torn write?)")
+        expected = classifier_fingerprint(classifier)
+        if meta["classifier"] != expected:
+            raise ValueError(
+                f"{src} was trained for another classifier (fingerprint {meta['classifier']}, this one is {expected})"
+            )
+        try:
+            config = AHAConfig.from_dict(_tuples(meta["config"]))
+            aha = cls(classifier, config, img_size=int(meta["img_size"]))
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"{src / CONFIG_FILE}: corrupt AHA config: {err}") from err
+        try:
+            aha.decoder.load_state_dict(state, strict=True)
+        except RuntimeError as err:
+            raise ValueError(f"{src / WEIGHTS_FILE} does not match the explainer architecture: {err}") from err
+        aha.steps_trained = int(meta.get("steps_trained", 0))
+        return aha
+
+
+def _tuples(config: dict[str, Any]) -> dict[str, Any]:
+    """JSON turns tuples into lists; the config's tuple fields are restored so equality and hashing behave."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
+
+
+def _as_generator(generator: torch.Generator | int) -> torch.Generator:
+    if isinstance(generator, torch.Generator):
+        return generator
+    return torch.Generator().manual_seed(int(generator))
+
+
+__all__ = ["AHA", "classifier_fingerprint"]

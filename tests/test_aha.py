@@ -1,0 +1,288 @@
+"""AHA: configuration, training (overfit, resume, DDP), inference, persistence and input errors."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from attr_engine.aha import AHA, AHAConfig
+from attr_engine.aha.loss import soft_auc_loss, trapezoid_auc
+from attr_engine.classifier import Classifier, load_classifier
+from attr_engine.metrics import deletion_insertion
+from tests.aha_helpers import ColourNet, colour_classifier, colour_images
+
+FAST = {"n_fractions": 6, "n_iters": 8, "decoder_dim": 16, "class_dim": 8, "grid_range": (2, 6)}
+
+
+class _Pairs(torch.utils.data.Dataset):
+    """(image, label) items over fixed tensors; optionally raises after ``fail_after`` item reads (a crash)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, fail_after: int | None = None) -> None:
+        self.x, self.y, self.fail_after, self.reads = x, y, fail_after, 0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        self.reads += 1
+        if self.fail_after is not None and self.reads > self.fail_after:
+            raise KeyboardInterrupt("simulated interruption")
+        return self.x[i], int(self.y[i])
+
+
+def _weights(aha: AHA) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in aha.decoder.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("n_fractions", 1, "n_fractions"),
+        ("tau_start", 0.0, "tau_start"),
+        ("grid_range", (5, 3), "grid_range"),
+        ("references", ("grey",), "references"),
+        ("fraction_sampling", "sobol", "fraction_sampling"),
+        ("warmup", 1.5, "warmup"),
+        ("targets", "all", "targets"),
+        ("peak_kernel", 4, "peak_kernel"),
+    ],
+)
+def test_config_rejects_bad_values(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        AHAConfig(**{field: value})
+
+
+def test_config_scales_with_image_size():
+    assert AHAConfig().resolved(224).grid_range == (7, 28)
+    assert AHAConfig().resolved(224).peak_kernel == 15
+    small = AHAConfig().resolved(64)
+    assert small.grid_range == (2, 8) and small.peak_kernel % 2 == 1
+    assert AHAConfig(grid_range=(3, 4)).resolved(64).grid_range == (3, 4)
+    cfg = AHAConfig(**FAST)
+    assert AHAConfig.from_dict(cfg.to_dict() | {"grid_range": [2, 6]}) == cfg
+    with pytest.raises(ValueError, match="unknown AHAConfig fields: bogus"):
+        AHAConfig.from_dict({"bogus": 1})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loss pieces
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_trapezoid_auc():
+    fractions = torch.linspace(0, 1, 5)
+    assert trapezoid_auc(torch.ones(2, 5), fractions).tolist() == [1.0, 1.0]
+    torch.testing.assert_close(trapezoid_auc(fractions[None], fractions), torch.tensor([0.5]))
+    uneven = torch.tensor([0.0, 0.1, 1.0])
+    torch.testing.assert_close(trapezoid_auc(torch.tensor([[1.0, 1.0, 0.0]]), uneven), torch.tensor([0.55]))
+
+
+def test_soft_deletion_of_a_known_map():
+    """With a hard sorter (tiny tau) the soft curve of the colour rule has a closed form at every fraction."""
+    clf = colour_classifier()
+    x = torch.full((1, 3, 8, 8), 0.5)
+    x[0, 0, :, :4] = 1.0  # left half red: evidence mean(R - G) = 0.25, p(class 0) = sigmoid(2 * gain * 0.25)
+    # Distinct cell scores, evenly spaced like the sorter's anchors (a tie-free ranking converges at tiny tau):
+    # column 3 first, then 2, 1, 0, then the grey columns.
+    order = torch.arange(64).view(8, 8).t().flip(0).flatten()  # cell ids, column 3 down ... column 4
+    order = torch.cat((order[32:], order[:32])).view(8, 8)  # red columns 3..0 before grey columns 7..4
+    maps = torch.empty(1, 64)
+    maps[0, order.flatten()] = torch.linspace(1, 0, 64)
+    maps = maps.view(1, 8, 8)
+    fractions = torch.linspace(0, 1, 5)
+    ref = torch.full_like(x, 0.5)
+    out = soft_auc_loss(
+        clf, x, maps, torch.tensor([0]), ref, grid=8, fractions=fractions, tau=1e-5, n_iters=50, noise=0.0
+    )
+    # 64 one-pixel cells; a quarter is 16 cells = two red columns. Evidence = (R - G) averaged over the image.
+    want_del = torch.sigmoid(2 * 40 * torch.tensor([0.25, 0.125, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(out.deletion_curve[0], want_del, atol=1e-4, rtol=0)
+    # Insertion removes the least important cells first: the 32 grey ones (no evidence), then the weak red columns.
+    want_ins = torch.sigmoid(2 * 40 * torch.tensor([0.25, 0.25, 0.25, 0.125, 0.0]))
+    torch.testing.assert_close(out.insertion_curve[0], want_ins, atol=1e-4, rtol=0)
+
+
+def test_soft_auc_approaches_the_hard_metric_as_tau_falls():
+    """On a grid that resolves the map (block-constant on 8 x 8 cells), the soft AUCs tend to the hard metric's."""
+    clf = colour_classifier()
+    x, _ = colour_images(2)
+    target = clf(x).argmax(1)
+    # Rank the 4 x 4 blocks by their true evidence (distinct, evenly spaced values, like the sorter's anchors).
+    evidence = (x[:, 0] - x[:, 1]) * torch.where(target == 0, 1.0, -1.0)[:, None, None]
+    block_evidence = torch.nn.functional.avg_pool2d(evidence[:, None], 4).flatten(1)  # (2, 64)
+    blocks = torch.linspace(1, 0, 64)[torch.argsort(torch.argsort(-block_evidence, dim=1), dim=1)]
+    maps = blocks.view(2, 8, 8).repeat_interleave(4, 1).repeat_interleave(4, 2)  # 32 x 32, constant on 4 x 4 cells
+    hard = deletion_insertion(clf, x, maps, target, steps=16, protocol="aha")
+    reference = torch.zeros_like(x)  # the classifier's mean colour, as in the "aha" protocol
+    gaps = []
+    for tau in (0.3, 0.03, 0.003, 1e-5):
+        soft = soft_auc_loss(
+            clf, x, maps, target, reference, grid=8, fractions=hard.fractions, tau=tau, n_iters=60, noise=0.0
+        )
+        gaps.append(max((soft.deletion - hard.deletion).abs().max().item(),
+                        (soft.insertion - hard.insertion).abs().max().item()))  # fmt: skip
+    assert gaps[0] > gaps[1] > gaps[2], gaps
+    assert gaps[-1] < 5e-3, gaps
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_overfits_one_repeated_batch():
+    torch.manual_seed(0)
+    clf = colour_classifier()
+    x, y = colour_images(4)
+    aha = AHA(clf, AHAConfig(**FAST, lr=3e-3, warmup=0.0, references=("mean",), targets="pred", peak_weight=0.0))
+    history = aha.fit(_Pairs(x, y), epochs=40, batch_size=4, progress=False)
+    first, last = sum(history["deletion"][:5]) / 5, sum(history["deletion"][-5:]) / 5
+    assert last < first - 0.15, f"soft deletion AUC fell only from {first:.3f} to {last:.3f}"
+    first, last = sum(history["insertion"][:5]) / 5, sum(history["insertion"][-5:]) / 5
+    assert last > first + 0.05, f"soft insertion AUC rose only from {first:.3f} to {last:.3f}"
+    assert history["tau"][0] == pytest.approx(1.0) and history["tau"][-1] == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 48, "num_heads": 2}),
+        ("convnext_atto", {}),
+        ("resnet10t", {}),
+    ],
+)
+def test_timm_classifiers_train_a_step(name, kwargs):
+    clf = load_classifier(name, num_classes=3, **kwargs)
+    if clf.input_size is None or clf.input_size[1] != 32:
+        clf = Classifier(clf.model, clf.mean, clf.std, input_size=(3, 32, 32))
+    aha = AHA(clf, AHAConfig(**FAST))
+    before = _weights(aha)
+    x, y = colour_images(2)
+    history = aha.fit(_Pairs(x, y % 3), epochs=1, batch_size=2, progress=False)
+    assert len(history["loss"]) == 1 and torch.isfinite(torch.tensor(history["loss"])).all()
+    after = aha.decoder.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    maps = aha.attribute(x)
+    assert maps.shape == (2, 32, 32) and torch.isfinite(maps).all()
+
+
+def test_checkpoint_resume_is_exact(tmp_path):
+    x, y = colour_images(8)
+    cfg = AHAConfig(**FAST, fraction_sampling="random")
+    reference = AHA(colour_classifier(), cfg)
+    reference.fit(_Pairs(x, y), epochs=3, batch_size=2, progress=False)  # 4 steps an epoch, 12 in all
+
+    crashed = AHA(colour_classifier(), cfg)
+    # 2 items a step: a crash during step 8 leaves the checkpoint written after step 6.
+    with pytest.raises(KeyboardInterrupt):
+        crashed.fit(_Pairs(x, y, fail_after=15), epochs=3, batch_size=2, progress=False,
+                    checkpoint_dir=tmp_path, checkpoint_every=3)  # fmt: skip
+    assert AHA.load(tmp_path, colour_classifier()).steps_trained == 6
+
+    resumed = AHA(colour_classifier(), cfg)
+    resumed.fit(_Pairs(x, y), epochs=3, batch_size=2, progress=False, checkpoint_dir=tmp_path, resume=tmp_path)
+    want, got = _weights(reference), _weights(resumed)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=0, rtol=0, msg=k)
+    assert AHA.load(tmp_path, colour_classifier()).steps_trained == 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x, y = colour_images(8)
+    aha = AHA(colour_classifier(), AHAConfig(**FAST, noise=0.0))
+    aha.fit(_Pairs(x, y), epochs=1, batch_size=2, progress=False)
+    if rank == 0:
+        torch.save(_weights(aha), out)
+    torch.distributed.destroy_process_group()
+
+
+def test_two_process_ddp_matches_single_process(tmp_path):
+    out = str(tmp_path / "ddp.pt")
+    mp.spawn(_ddp_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    ddp = torch.load(out, weights_only=True)
+
+    torch.manual_seed(0)
+    x, y = colour_images(8)
+    single = AHA(colour_classifier(), AHAConfig(**FAST, noise=0.0))
+    single.fit(_Pairs(x, y), epochs=1, batch_size=4, progress=False)  # same global batches of 4
+    for k, want in _weights(single).items():
+        torch.testing.assert_close(ddp[k], want, atol=2e-5, rtol=1e-4, msg=k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inference and persistence
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_attribute_defaults_to_prediction_and_refines():
+    clf = colour_classifier()
+    aha = AHA(clf, AHAConfig(**FAST))
+    x, _ = colour_images(3)
+    pred = clf(x).argmax(1)
+    torch.testing.assert_close(aha.attribute(x), aha.attribute(x, target=pred))
+    assert not torch.equal(aha.attribute(x, target=0), aha.attribute(x, target=1))
+    with torch.no_grad():  # refinement re-enables gradients internally
+        refined = aha.attribute(x, refine_steps=2, generator=0)
+    assert refined.shape == (3, 32, 32) and not torch.equal(refined, aha.attribute(x))
+    torch.testing.assert_close(refined, aha.attribute(x, refine_steps=2, generator=0))
+
+
+def test_save_load_round_trip_and_mismatch(tmp_path):
+    clf = colour_classifier()
+    aha = AHA(clf, AHAConfig(**FAST))
+    x, y = colour_images(2)
+    aha.fit(_Pairs(x, y), epochs=1, batch_size=2, progress=False)
+    aha.save(tmp_path)
+    loaded = AHA.load(tmp_path, clf)
+    torch.testing.assert_close(loaded.attribute(x), aha.attribute(x), atol=0, rtol=0)
+    assert loaded.config == aha.config and loaded.steps_trained == 1
+
+    other = Classifier(ColourNet(gain=5.0), mean=(0.0,) * 3, std=(1.0,) * 3, input_size=(3, 32, 32))
+    with pytest.raises(ValueError, match="trained for another classifier"):
+        AHA.load(tmp_path, other)
+    with pytest.raises(FileNotFoundError):
+        AHA.load(tmp_path / "missing", clf)
+    (tmp_path / "explainer.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="not a valid safetensors file"):
+        AHA.load(tmp_path, clf)
+
+
+def test_bad_inputs_are_named():
+    aha = AHA(colour_classifier(), AHAConfig(**FAST))
+    x, _ = colour_images(2)
+    with pytest.raises(ValueError, match=r"x must be \(B, 3, H, W\)"):
+        aha.attribute(x[:, :2])
+    bad = x.clone()
+    bad[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="x contains NaN"):
+        aha.attribute(bad)
+    with pytest.raises(ValueError, match="target classes must lie in"):
+        aha.attribute(x, target=5)
+    with pytest.raises(ValueError, match="target must be an int or have shape"):
+        aha.attribute(x, target=torch.tensor([0, 1, 0]))
+    with pytest.raises(ValueError, match="refine_steps"):
+        aha.attribute(x, refine_steps=-1)
+    with pytest.raises(ValueError, match="not enough data"):
+        aha.fit(_Pairs(x, torch.zeros(2)), batch_size=4, progress=False)
+    with tempfile.TemporaryDirectory() as d, pytest.raises(FileNotFoundError, match="no AHA checkpoint"):
+        aha.fit(_Pairs(x, torch.zeros(2)), batch_size=2, resume=Path(d), progress=False)
