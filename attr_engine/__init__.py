@@ -4,6 +4,7 @@ The public API:
 
 - :class:`Classifier`, :func:`load_classifier`, :func:`train_classifier` - the frozen classifier adapter.
 - :class:`AHA`, :class:`AHAConfig` - the amortized explainer.
+- :class:`SemanticPullback`, :class:`PullbackConfig`, :func:`soft_adjoint` - soft-adjoint pullbacks on any model.
 - :mod:`attr_engine.metrics` - deletion/insertion and localisation metrics (re-exported here).
 - :mod:`attr_engine.data` - the embedded procedural dataset and an image-folder loader.
 """
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.classifier import Classifier, load_classifier
 from attr_engine.metrics import DeletionInsertion, deletion_insertion, energy_pointing_game, pointing_game
+from attr_engine.pullback import PullbackConfig, SemanticPullback, SoftAdjoint, default_alpha, soft_adjoint
 from attr_engine.train import train_classifier
 
 __all__ = [
@@ -20,10 +22,15 @@ __all__ = [
     "AHAConfig",
     "Classifier",
     "DeletionInsertion",
+    "PullbackConfig",
+    "SemanticPullback",
+    "SoftAdjoint",
     "__version__",
+    "default_alpha",
     "deletion_insertion",
     "energy_pointing_game",
     "load_classifier",
     "pointing_game",
+    "soft_adjoint",
     "train_classifier",
 ]

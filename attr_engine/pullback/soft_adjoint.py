@@ -1,0 +1,555 @@
+"""The soft adjoint of a whole network (Semantic Pullback, arXiv 2507.22832) as a context manager.
+
+``with soft_adjoint(model):`` leaves every forward value bit-identical and replaces the backward of the layers that
+carry *state* (gates, routing, normalisation statistics, attention weights) by the paper's soft adjoint:
+
+=====================  =========================================================================================
+layer                  backward inside the context
+=====================  =========================================================================================
+ReLU                   ``grad * Phi(z / relu_tau)`` (:func:`kernels.soft_adjoint.soft_gate`)
+ReLU6                  ``grad * (Phi(z / relu_tau) - Phi((z - 6) / relu_tau))``: the same soft step at both kinks
+GELU (erf, tanh)       ``grad * Phi(z / gelu_tau)``
+SiLU                   ``grad * sigmoid(z / silu_tau)``
+MaxPool2d              spread over each window by ``softmax(window / maxpool_tau)`` (``soft_maxpool2d``)
+LayerNorm              mean and variance held constant: ``grad * gamma / sigma`` per token
+softmax attention      attention weights held constant: the gradient flows through the values only
+BatchNorm, linear ops  unchanged (affine in eval mode, already their own adjoint)
+=====================  =========================================================================================
+
+How layers are reached:
+
+- Modules are found by type through ``named_modules()`` and get an instance ``forward`` for the duration (module
+  objects, flags, parameters, buffers and hooks are never touched). Subclasses that override ``forward`` are not
+  assumed to behave like their base and are reported instead.
+- Functional calls inside a forward (``F.relu``, ``torch.relu``, ``F.relu6``, ``F.gelu``, ``F.silu``,
+  ``F.max_pool2d``, ``F.scaled_dot_product_attention``: timm's fused attention path) are covered by patching those
+  attributes of ``torch.nn.functional`` / ``torch`` while at least one context is open. The patched functions are
+  soft only in the thread that entered a context (a thread-local stack), so other threads keep the plain
+  functions; names bound at import time (``from torch.nn.functional import relu``) and tensor methods
+  (``x.relu()``) are out of reach.
+- timm attention modules that compute the softmax explicitly (``fused_attn`` False) get their weights held
+  constant at their ``attn_drop`` module, which every timm attention applies to the softmax before ``@ v``.
+- Modules of unknown type that may carry gates (other activations, normalisation, attention and max-pooling
+  layers) keep their plain backward and are listed in one ``warnings.warn``.
+
+Every soft layer falls back to its plain forward when no gradient can flow (grad mode off or an input that does not
+require grad), so evaluation inside the context costs nothing extra.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.layers import GELU as TimmGELU
+from timm.layers import Attention as TimmAttention
+from timm.layers import AttentionRope as TimmAttentionRope
+from timm.layers import GELUTanh as TimmGELUTanh
+from timm.layers import LayerNorm as TimmLayerNorm
+from timm.layers import LayerNorm2d as TimmLayerNorm2d
+from timm.layers import LayerNorm2dFp32 as TimmLayerNorm2dFp32
+from timm.layers import LayerNormFp32 as TimmLayerNormFp32
+from timm.layers.pool2d_same import MaxPool2dSame
+from timm.models.pvt_v2 import Attention as PvtAttention
+from torch import nn
+
+from kernels._validate import check_positive
+from kernels.soft_adjoint import soft_gate, soft_maxpool2d
+
+__all__ = ["SoftAdjoint", "soft_adjoint"]
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which module types are softened, and how
+# ----------------------------------------------------------------------------------------------------------------
+
+# Classes whose own forward is the plain layer; a subclass counts only if it keeps that forward.
+_MODULE_KINDS: dict[type[nn.Module], str] = {
+    nn.ReLU: "relu",
+    nn.ReLU6: "relu6",
+    nn.GELU: "gelu",  # approximate="tanh" is read per module
+    TimmGELU: "gelu",
+    TimmGELUTanh: "gelu_tanh",
+    nn.SiLU: "silu",
+    nn.MaxPool2d: "maxpool",
+    nn.LayerNorm: "layernorm",  # over the trailing normalized_shape dims
+    TimmLayerNorm: "layernorm",
+    TimmLayerNormFp32: "layernorm",
+    TimmLayerNorm2d: "layernorm2d",  # over the channels of (B, C, H, W)
+    TimmLayerNorm2dFp32: "layernorm2d",
+    TimmAttention: "attention",
+    TimmAttentionRope: "attention",
+    PvtAttention: "attention",
+}
+# Subclasses with their own forward that only call functions the functional patches cover.
+_COVERED_BY_FUNCTIONAL_PATCH: tuple[type[nn.Module], ...] = (MaxPool2dSame,)
+# Class names of normalisation layers (LayerNorm2d, RmsNorm2dFp32, GroupNormAct, GlobalResponseNorm, ...).
+_NORM_NAME = re.compile(r"Norm(\d*d)?(Act)?(\d*d)?(Fp32)?$")
+
+
+def _module_kind(module: nn.Module) -> str | None:
+    cls = type(module)
+    for base in cls.__mro__:
+        kind = _MODULE_KINDS.get(base)
+        if kind is not None:
+            # A subclass that overrides forward may do anything (e.g. LayerNorm + activation): not this kind.
+            return kind if cls.forward is base.forward else None
+    return None
+
+
+def _unknown_reason(module: nn.Module) -> str | None:
+    """Why a module the soft adjoint does not handle may carry a gate, or None if it is harmless."""
+    cls = type(module)
+    name = cls.__name__
+    if isinstance(module, _COVERED_BY_FUNCTIONAL_PATCH):
+        return None
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) or "BatchNorm" in name:
+        return None  # affine in eval mode: the plain backward is its adjoint
+    if cls.__module__ == "torch.nn.modules.activation" or cls.__module__.startswith("timm.layers.activations"):
+        return "activation"
+    norm_types = (nn.GroupNorm, nn.LocalResponseNorm, nn.LayerNorm, nn.RMSNorm, nn.modules.instancenorm._InstanceNorm)
+    if isinstance(module, norm_types) or _NORM_NAME.search(name):
+        return "normalisation"
+    if "Attention" in name or name.endswith("Attn"):
+        return "attention"
+    pool_types = (
+        nn.modules.pooling._MaxPoolNd,
+        nn.modules.pooling._AdaptiveMaxPoolNd,
+        nn.modules.pooling._LPPoolNd,
+        nn.FractionalMaxPool2d,
+        nn.FractionalMaxPool3d,
+    )
+    if isinstance(module, pool_types) or "MaxPool" in name or "AvgMax" in name:
+        return "max pooling"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Soft layers (exact forward value, soft backward)
+# ----------------------------------------------------------------------------------------------------------------
+
+_THREAD = threading.local()  # .stack: open SoftAdjoint contexts of this thread; .suspended: nesting depth
+
+
+def _stack() -> list[SoftAdjoint]:
+    stack = getattr(_THREAD, "stack", None)
+    if stack is None:
+        stack = _THREAD.stack = []
+    return stack
+
+
+@contextmanager
+def _suspended() -> Iterator[None]:
+    """While a soft layer computes, functional patches fall through to the plain functions (no recursion)."""
+    _THREAD.suspended = getattr(_THREAD, "suspended", 0) + 1
+    try:
+        yield
+    finally:
+        _THREAD.suspended -= 1
+
+
+def _active() -> SoftAdjoint | None:
+    if getattr(_THREAD, "suspended", 0):
+        return None
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+def _needs_grad(*tensors: Any) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _soft_relu6(x: torch.Tensor, tau: float) -> torch.Tensor:
+    # relu6(z) = relu(z) - relu(z - 6): both kinks get the ReLU's soft step. The gradient rides on a term that is
+    # exactly zero in the forward ((x - x) * g), so the value is hardtanh's own, bit for bit.
+    xd = x.detach()
+    xf = xd.to(torch.float64 if xd.dtype == torch.float64 else torch.float32)
+    gate = torch.special.ndtr(xf / tau) - torch.special.ndtr((xf - 6.0) / tau)
+    return F.hardtanh(xd, 0.0, 6.0) + (x - xd) * gate.to(x.dtype)
+
+
+def _soft_layer_norm(
+    x: torch.Tensor,
+    exact: torch.Tensor,
+    dims: tuple[int, ...],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """``exact`` plus zero-valued terms whose gradient is that of a LayerNorm with constant mean and variance.
+
+    With mu and sigma constant, LN(x) = (x - mu) / sigma * gamma + beta is linear in x with slope gamma / sigma (per
+    token), so ``(x - x.detach()) * gamma / sigma`` carries exactly that gradient while adding 0 to the forward. Only
+    the per-token ``1 / sigma`` (and gamma) is saved for backward.
+    """
+    xd = x.detach()
+    cd = torch.float64 if xd.dtype == torch.float64 else torch.float32
+    var, mean = torch.var_mean(xd.to(cd), dim=dims, keepdim=True, correction=0)
+    rstd = (var + eps).rsqrt()
+    # gamma / beta broadcast against x: trailing dims as they are, or (C,) -> (1, C, 1, ...) for channel norms.
+    shape = (-1,) + (1,) * (x.ndim - 2) if dims == (1,) else None
+    scale = rstd
+    if weight is not None:
+        w = weight.detach().to(cd)
+        scale = scale * (w.view(shape) if shape else w)
+    y = exact + (x - xd) * scale.to(x.dtype)
+    # Trainable affine parameters keep their true gradient (x_hat * grad, grad), also exactly zero in the forward.
+    if weight is not None and weight.requires_grad:
+        dw = weight - weight.detach()
+        y = y + (dw.view(shape) if shape else dw) * ((xd.to(cd) - mean) * rstd).to(x.dtype)
+    if bias is not None and bias.requires_grad:
+        db = bias - bias.detach()
+        y = y + (db.view(shape) if shape else db)
+    return y
+
+
+def _gate_forward(module: nn.Module, plain: Callable[..., Any], kind: str, tau: float) -> Callable[..., Any]:
+    if kind == "gelu" and getattr(module, "approximate", "none") == "tanh":
+        kind = "gelu_tanh"
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not _needs_grad(x):
+            return plain(x)
+        with _suspended():
+            if kind == "relu6":
+                return _soft_relu6(x, tau)
+            # Out of place even for inplace=True modules: the soft backward needs the pre-activation.
+            return soft_gate(x, kind, tau)
+
+    return forward
+
+
+def _maxpool_forward(module: nn.MaxPool2d, plain: Callable[..., Any], tau: float) -> Callable[..., Any]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not _needs_grad(x) or x.ndim != 4:
+            return plain(x)
+        with _suspended():
+            m = module
+            return soft_maxpool2d(x, m.kernel_size, m.stride, m.padding, tau, m.dilation, m.ceil_mode)
+
+    return forward
+
+
+def _layer_norm_forward(module: nn.LayerNorm, plain: Callable[..., Any], channels: bool) -> Callable[..., Any]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not _needs_grad(x, module.weight, module.bias):
+            return plain(x)
+        with _suspended():
+            with torch.no_grad():
+                exact = plain(x)  # the module's own forward: bit-identical by construction
+            dims = (1,) if channels else tuple(range(-len(module.normalized_shape), 0))
+            return _soft_layer_norm(x, exact, dims, module.weight, module.bias, module.eps)
+
+    return forward
+
+
+def _detached_forward(plain: Callable[..., Any]) -> Callable[..., Any]:
+    # Applied to an attention module's attn_drop: the softmax weights enter `attn @ v` as constants.
+    def forward(attn: torch.Tensor) -> torch.Tensor:
+        return plain(attn).detach()
+
+    return forward
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Functional patches (torch.nn.functional / torch attributes), soft only in threads with an open context
+# ----------------------------------------------------------------------------------------------------------------
+
+_PATCH_LOCK = threading.Lock()
+_PATCH_USERS = 0
+_ORIGINALS: dict[tuple[Any, str], Callable[..., Any]] = {}
+_FUNCTIONAL_TARGETS: tuple[tuple[Any, str], ...] = (
+    (F, "relu"),
+    (torch, "relu"),
+    (F, "relu6"),
+    (F, "gelu"),
+    (F, "silu"),
+    (F, "max_pool2d"),
+    (F, "scaled_dot_product_attention"),
+)
+
+
+def _original(owner: Any, name: str) -> Callable[..., Any]:
+    return _ORIGINALS.get((owner, name)) or getattr(owner, name)
+
+
+def _soft_relu_fn(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    ctx = _active()
+    if ctx is None or not _needs_grad(input):
+        return _original(F, "relu")(input, inplace=inplace)
+    with _suspended():
+        return soft_gate(input, "relu", ctx.relu_tau)
+
+
+def _soft_torch_relu(input: torch.Tensor) -> torch.Tensor:
+    ctx = _active()
+    if ctx is None or not _needs_grad(input):
+        return _original(torch, "relu")(input)
+    with _suspended():
+        return soft_gate(input, "relu", ctx.relu_tau)
+
+
+def _soft_relu6_fn(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    ctx = _active()
+    if ctx is None or not _needs_grad(input):
+        return _original(F, "relu6")(input, inplace=inplace)
+    with _suspended():
+        return _soft_relu6(input, ctx.relu_tau)
+
+
+def _soft_gelu_fn(input: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    ctx = _active()
+    if ctx is None or not _needs_grad(input):
+        return _original(F, "gelu")(input, approximate=approximate)
+    with _suspended():
+        return soft_gate(input, "gelu_tanh" if approximate == "tanh" else "gelu", ctx.gelu_tau)
+
+
+def _soft_silu_fn(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    ctx = _active()
+    if ctx is None or not _needs_grad(input):
+        return _original(F, "silu")(input, inplace=inplace)
+    with _suspended():
+        return soft_gate(input, "silu", ctx.silu_tau)
+
+
+def _soft_max_pool2d_fn(
+    input: torch.Tensor,
+    kernel_size: Any,
+    stride: Any = None,
+    padding: Any = 0,
+    dilation: Any = 1,
+    ceil_mode: bool = False,
+    return_indices: bool = False,
+) -> Any:
+    ctx = _active()
+    if ctx is None or return_indices or input.ndim != 4 or not _needs_grad(input):
+        return _original(F, "max_pool2d")(input, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
+    if stride is not None and not isinstance(stride, int) and len(stride) == 0:
+        stride = None  # torch reads an empty stride as "same as the kernel"
+    with _suspended():
+        return soft_maxpool2d(input, kernel_size, stride, padding, ctx.maxpool_tau, dilation, ceil_mode)
+
+
+def _soft_sdpa_fn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    ctx = _active()
+    if ctx is None or not ctx.attention or not _needs_grad(query, key, value):
+        return _original(F, "scaled_dot_product_attention")(query, key, value, *args, **kwargs)
+    # softmax(q k^T + mask) enters as a constant: detach everything that feeds it. The kernel, its inputs' values
+    # and "does any input need grad" (which steers the backend choice) are unchanged, so the output is bit-identical.
+    if args and isinstance(args[0], torch.Tensor):
+        args = (args[0].detach(), *args[1:])
+    if isinstance(kwargs.get("attn_mask"), torch.Tensor):
+        kwargs["attn_mask"] = kwargs["attn_mask"].detach()
+    with _suspended():
+        return _original(F, "scaled_dot_product_attention")(query.detach(), key.detach(), value, *args, **kwargs)
+
+
+_SOFT_FUNCTIONS: dict[tuple[Any, str], Callable[..., Any]] = {
+    (F, "relu"): _soft_relu_fn,
+    (torch, "relu"): _soft_torch_relu,
+    (F, "relu6"): _soft_relu6_fn,
+    (F, "gelu"): _soft_gelu_fn,
+    (F, "silu"): _soft_silu_fn,
+    (F, "max_pool2d"): _soft_max_pool2d_fn,
+    (F, "scaled_dot_product_attention"): _soft_sdpa_fn,
+}
+
+
+def _install_functional_patches() -> None:
+    global _PATCH_USERS
+    with _PATCH_LOCK:
+        if _PATCH_USERS == 0:
+            for owner, name in _FUNCTIONAL_TARGETS:
+                _ORIGINALS[(owner, name)] = getattr(owner, name)
+                setattr(owner, name, _SOFT_FUNCTIONS[(owner, name)])
+        _PATCH_USERS += 1
+
+
+def _remove_functional_patches() -> None:
+    global _PATCH_USERS
+    with _PATCH_LOCK:
+        _PATCH_USERS -= 1
+        if _PATCH_USERS == 0:
+            for (owner, name), fn in _ORIGINALS.items():
+                setattr(owner, name, fn)
+            _ORIGINALS.clear()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The context manager
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class SoftAdjoint:
+    """Context manager returned by :func:`soft_adjoint` (see there); single use, not re-entrant.
+
+    After ``__enter__``: ``softened`` lists ``(name, kind)`` of the modules given a soft forward, ``unknown`` lists
+    ``(name, reason)`` of the modules reported as possibly gated but left plain.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        relu_tau: float = 0.6,
+        gelu_tau: float = 1.0,
+        silu_tau: float = 1.6,
+        maxpool_tau: float = 0.3,
+        layernorm: bool = True,
+        attention: bool = True,
+        warn_unknown: bool = True,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        for name, flag in (("layernorm", layernorm), ("attention", attention), ("warn_unknown", warn_unknown)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        self.model = model
+        self.relu_tau = check_positive(relu_tau, "relu_tau")
+        self.gelu_tau = check_positive(gelu_tau, "gelu_tau")
+        self.silu_tau = check_positive(silu_tau, "silu_tau")
+        self.maxpool_tau = check_positive(maxpool_tau, "maxpool_tau")
+        self.layernorm = layernorm
+        self.attention = attention
+        self.warn_unknown = warn_unknown
+        self.softened: list[tuple[str, str]] = []
+        self.unknown: list[tuple[str, str]] = []
+        # (module, had its own instance forward, that forward) in patch order, undone in reverse.
+        self._saved: list[tuple[nn.Module, bool, Any]] = []
+        self._state = "new"
+
+    def _soft_forward(self, module: nn.Module, kind: str) -> Callable[..., Any] | None:
+        plain = module.forward
+        gate_taus = {
+            "relu": self.relu_tau,
+            "relu6": self.relu_tau,
+            "gelu": self.gelu_tau,
+            "gelu_tanh": self.gelu_tau,
+            "silu": self.silu_tau,
+        }
+        if kind in gate_taus:
+            return _gate_forward(module, plain, kind, gate_taus[kind])
+        if kind == "maxpool":
+            return None if module.return_indices else _maxpool_forward(module, plain, self.maxpool_tau)
+        if kind in ("layernorm", "layernorm2d"):
+            return _layer_norm_forward(module, plain, kind == "layernorm2d") if self.layernorm else None
+        drop = getattr(module, "attn_drop", None)
+        if kind == "attention" and self.attention and isinstance(drop, nn.Module):
+            return _detached_forward(drop.forward)
+        return None
+
+    def _plan(self) -> list[tuple[nn.Module, Callable[..., Any]]]:
+        plan: list[tuple[nn.Module, Callable[..., Any]]] = []
+        # named_modules() yields a module used twice (a shared ReLU) once, so it is patched once.
+        for name, module in self.model.named_modules():
+            kind = _module_kind(module)
+            if kind is None:
+                reason = _unknown_reason(module)
+                if reason is not None:
+                    self.unknown.append((name, f"{type(module).__name__}: {reason}"))
+                continue
+            forward = self._soft_forward(module, kind)
+            if kind == "maxpool" and forward is None:
+                self.unknown.append((name, "MaxPool2d: return_indices=True keeps the hard max"))
+            if kind == "attention" and getattr(module, "gate", None) is not None:
+                self.unknown.append((name, f"{type(module).__name__}: sigmoid output gate keeps its plain gradient"))
+            if forward is None:
+                continue
+            target = module.attn_drop if kind == "attention" else module
+            plan.append((target, forward))
+            self.softened.append((name, kind))
+        return plan
+
+    def __enter__(self) -> SoftAdjoint:
+        if self._state != "new":
+            raise RuntimeError("a soft_adjoint context can be entered once; create a new one with soft_adjoint(model)")
+        self._state = "open"
+        try:
+            for module, forward in self._plan():
+                had_own = "forward" in module.__dict__
+                self._saved.append((module, had_own, module.__dict__.get("forward")))
+                # Written into __dict__ directly: an instance attribute shadows the class forward for __call__,
+                # and nn.Module.__setattr__ bookkeeping (parameters, buffers, submodules) is not involved.
+                module.__dict__["forward"] = forward
+            _install_functional_patches()
+            self._state = "patched"
+            _stack().append(self)
+        except BaseException:
+            self._restore()
+            raise
+        if self.warn_unknown and self.unknown:
+            listed = "; ".join(f"{name or '<root>'} ({reason})" for name, reason in self.unknown)
+            warnings.warn(
+                f"soft_adjoint: {len(self.unknown)} layer(s) of a kind it does not handle; they may carry gates whose "
+                f"backward stays plain, so the pullback is not fully soft: {listed}",
+                stacklevel=2,
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        stack = _stack()
+        if self in stack:
+            stack.remove(self)
+        if self._state == "patched":
+            _remove_functional_patches()
+        while self._saved:
+            module, had_own, forward = self._saved.pop()
+            if had_own:
+                module.__dict__["forward"] = forward
+            else:
+                module.__dict__.pop("forward", None)
+        self._state = "closed"
+
+
+def soft_adjoint(
+    model: nn.Module,
+    *,
+    relu_tau: float = 0.6,
+    gelu_tau: float = 1.0,
+    silu_tau: float = 1.6,
+    maxpool_tau: float = 0.3,
+    layernorm: bool = True,
+    attention: bool = True,
+    warn_unknown: bool = True,
+) -> SoftAdjoint:
+    """Context manager: ``model``'s forward unchanged, its backward the Semantic Pullback soft adjoint.
+
+    Inside ``with soft_adjoint(model):`` the logits are bit-identical to the plain model's and
+    ``torch.autograd.grad(logit, x)`` is the soft pullback ``W(x)^T u`` (see the module docstring for the layer
+    table). On exit, normal or by exception, the model is exactly as before: same module objects, flags, state
+    dict and hooks, and the functional patches are undone once the last open context closes.
+
+    Args:
+        model: any ``nn.Module`` (a :class:`~attr_engine.classifier.Classifier` or the network inside it).
+        relu_tau: temperature of the ReLU (and ReLU6) gate ``Phi(z / tau)``; paper default 0.6.
+        gelu_tau: temperature of the GELU gate ``Phi(z / tau)`` (erf and tanh GELU); paper default 1.0.
+        silu_tau: temperature of the SiLU gate ``sigmoid(z / tau)``; paper default 1.6.
+        maxpool_tau: temperature of the max-pool window softmax; paper default 0.3.
+        layernorm: hold LayerNorm statistics constant in the backward (False: plain LayerNorm gradient).
+        attention: hold softmax attention weights constant in the backward (False: plain attention gradient).
+        warn_unknown: warn, listing them, about modules that may carry gates but are not handled.
+
+    Example:
+        >>> with soft_adjoint(classifier):  # doctest: +SKIP
+        ...     logits = classifier(x.requires_grad_())
+        ...     (pullback,) = torch.autograd.grad(logits[:, k].sum(), x)
+    """
+    return SoftAdjoint(
+        model,
+        relu_tau=relu_tau,
+        gelu_tau=gelu_tau,
+        silu_tau=silu_tau,
+        maxpool_tau=maxpool_tau,
+        layernorm=layernorm,
+        attention=attention,
+        warn_unknown=warn_unknown,
+    )

@@ -1,0 +1,361 @@
+"""soft_adjoint(model): bit-identical forwards, each layer's soft backward against a hand-written reference, and an
+exact restore of the model and of torch.nn.functional afterwards."""
+
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from timm.layers import GELU as TimmGELU
+from timm.layers import Attention as TimmAttention
+from timm.layers import GELUTanh as TimmGELUTanh
+from timm.layers import LayerNorm as TimmLayerNorm
+from timm.layers import LayerNorm2d
+from timm.layers.pool2d_same import MaxPool2dSame
+from timm.models.pvt_v2 import Attention as PvtAttention
+from torch import nn
+
+from attr_engine.classifier import load_classifier
+from attr_engine.pullback.soft_adjoint import soft_adjoint
+from kernels.soft_adjoint import soft_maxpool2d_detach
+from tests.tolerances import tol
+
+F64 = torch.float64
+TOL = tol("pullback", F64)
+FUNCTIONALS = [
+    (F, "relu"),
+    (torch, "relu"),
+    (F, "relu6"),
+    (F, "gelu"),
+    (F, "silu"),
+    (F, "max_pool2d"),
+    (F, "scaled_dot_product_attention"),
+]
+
+
+class Lambda(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def input_grad(model: nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, d<output, g>/dx) for a fresh leaf copy of x."""
+    x = x.detach().clone().requires_grad_(True)
+    y = model(x)
+    (dx,) = torch.autograd.grad(y, x, g)
+    return y.detach(), dx
+
+
+def soft_vs_plain(model: nn.Module, x: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Output (asserted bit-identical inside and outside) and the input gradients outside and inside the context."""
+    y = model(x)
+    g = torch.randn_like(y)
+    y_plain, dx_plain = input_grad(model, x, g)
+    with soft_adjoint(model, **kwargs):
+        y_soft, dx_soft = input_grad(model, x, g)
+    assert torch.equal(y_plain, y_soft)
+    return g, dx_plain, dx_soft
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Whole timm models: forward values bit for bit
+# ---------------------------------------------------------------------------------------------------------------
+
+TIMM_CASES = {
+    "resnet18": (dict(), 32, {"relu", "maxpool"}),
+    "vgg11_bn": (dict(mlp_ratio=1 / 64), 32, {"relu", "maxpool"}),
+    "convnext_atto": (dict(), 32, {"gelu", "layernorm2d"}),  # conv_mlp: channels-first norms only
+    "vit_tiny_patch16_224": (dict(img_size=32, patch_size=8, depth=2), 32, {"gelu", "layernorm", "attention"}),
+    "deit_tiny_patch16_224": (dict(img_size=32, patch_size=8, depth=2), 32, {"gelu", "layernorm", "attention"}),
+    "pvt_v2_b0": (dict(depths=(1, 1, 1, 1)), 64, {"gelu", "layernorm", "attention"}),
+}
+
+
+@pytest.mark.parametrize("name", list(TIMM_CASES))
+def test_timm_forward_bit_identical_and_backward_soft(name: str) -> None:
+    kwargs, size, kinds = TIMM_CASES[name]
+    clf = load_classifier(name, num_classes=5, **kwargs)
+    x = torch.rand(2, 3, size, size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of these architectures has a layer soft_adjoint does not know
+        with soft_adjoint(clf) as ctx:
+            y_soft, dx_soft = input_grad(clf, x, torch.eye(5)[[0, 3]])
+    y_plain, dx_plain = input_grad(clf, x, torch.eye(5)[[0, 3]])
+    assert torch.equal(y_soft, y_plain)
+    assert {kind for _, kind in ctx.softened} == kinds
+    # The backward did change (by a lot: these are random networks far from their linear regime).
+    assert (dx_soft - dx_plain).norm() > 0.05 * dx_plain.norm()
+    assert torch.isfinite(dx_soft).all()
+
+
+def test_vit_explicit_softmax_path_matches_fused_path() -> None:
+    """fused_attn=False computes softmax(q k^T) itself; holding it constant at attn_drop must give the SDPA result."""
+    clf = load_classifier("vit_tiny_patch16_224", num_classes=4, img_size=32, patch_size=8, depth=2).double()
+    x = torch.rand(2, 3, 32, 32, dtype=F64)
+    g = torch.randn(2, 4, dtype=F64)
+    with soft_adjoint(clf):
+        y_fused, dx_fused = input_grad(clf, x, g)
+    attns = [m for m in clf.modules() if isinstance(m, TimmAttention)]
+    for m in attns:
+        m.fused_attn = False
+    y_manual_plain, _ = input_grad(clf, x, g)
+    with soft_adjoint(clf):
+        y_manual, dx_manual = input_grad(clf, x, g)
+    assert torch.equal(y_manual, y_manual_plain)
+    torch.testing.assert_close(y_manual, y_fused, **TOL)
+    torch.testing.assert_close(dx_manual, dx_fused, **TOL)
+    assert all(m.fused_attn is False for m in attns)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Each layer's rule against a hand-written reference (float64)
+# ---------------------------------------------------------------------------------------------------------------
+
+_PHI = torch.special.ndtr
+GATES = {
+    "nn.ReLU": (nn.ReLU(), "relu", _PHI),
+    "nn.ReLU(inplace)": (nn.ReLU(inplace=True), "relu", _PHI),
+    # Functionals are looked up at call time, as model code does (a name bound at import time is out of reach).
+    "F.relu": (Lambda(lambda z: F.relu(z)), "relu", _PHI),
+    "torch.relu": (Lambda(lambda z: torch.relu(z)), "relu", _PHI),
+    "nn.ReLU6": (nn.ReLU6(), "relu", lambda u: _PHI(u) - _PHI(u - 6 / 0.45)),
+    "F.relu6": (Lambda(lambda z: F.relu6(z)), "relu", lambda u: _PHI(u) - _PHI(u - 6 / 0.45)),
+    "nn.GELU": (nn.GELU(), "gelu", _PHI),
+    "nn.GELU(tanh)": (nn.GELU(approximate="tanh"), "gelu", _PHI),
+    "timm.GELU": (TimmGELU(), "gelu", _PHI),
+    "timm.GELUTanh": (TimmGELUTanh(), "gelu", _PHI),
+    "F.gelu(tanh)": (Lambda(lambda z: F.gelu(z, approximate="tanh")), "gelu", _PHI),
+    "nn.SiLU": (nn.SiLU(), "silu", torch.sigmoid),
+    "nn.SiLU(inplace)": (nn.SiLU(inplace=True), "silu", torch.sigmoid),
+    "F.silu": (Lambda(lambda z: F.silu(z)), "silu", torch.sigmoid),
+}
+TAUS = {"relu_tau": 0.45, "gelu_tau": 0.7, "silu_tau": 1.3}
+
+
+@pytest.mark.parametrize("case", list(GATES))
+def test_gate_layer_backward_is_grad_times_gate(case: str) -> None:
+    layer, kind, gate = GATES[case]
+    tau = TAUS[f"{kind}_tau"]
+    z = torch.randn(4, 5, 6, dtype=F64) * 4
+    # The leading x * 1 keeps in-place layers off the leaf input.
+    g, dx_plain, dx_soft = soft_vs_plain(nn.Sequential(Lambda(lambda t: t * 1.0), layer), z, **TAUS)
+    torch.testing.assert_close(dx_soft, g * gate(z / tau), **TOL)
+    assert not torch.allclose(dx_soft, dx_plain)
+
+
+@pytest.mark.parametrize(
+    "pool",
+    [nn.MaxPool2d(3, 2, 1), nn.MaxPool2d(2, ceil_mode=True), Lambda(lambda x: F.max_pool2d(x, 3, 2, 1)), None],
+    ids=["nn", "nn_ceil", "functional", "timm_same"],
+)
+def test_maxpool_backward_matches_soft_maxpool2d(pool: nn.Module | None) -> None:
+    x = torch.randn(2, 3, 9, 9, dtype=F64)
+    if pool is None:  # TF-"SAME" padding by -inf, then the functional max pool
+        pool = MaxPool2dSame(3, 2)
+        args, x_ref = ((3, 2, 0), F.pad(x, (1, 1, 1, 1), value=float("-inf")))
+    else:
+        m = pool if isinstance(pool, nn.MaxPool2d) else nn.MaxPool2d(3, 2, 1)
+        args, x_ref = ((m.kernel_size, m.stride, m.padding), x)
+    g, _, dx_soft = soft_vs_plain(nn.Sequential(pool), x, maxpool_tau=0.25)
+    x_ref = x_ref.detach().requires_grad_(True)
+    ceil = getattr(pool, "ceil_mode", False)
+    (dx_ref,) = torch.autograd.grad(soft_maxpool2d_detach(x_ref, *args, tau=0.25, ceil_mode=ceil), x_ref, g)
+    if dx_ref.shape != x.shape:
+        dx_ref = dx_ref[..., 1:-1, 1:-1]
+    torch.testing.assert_close(dx_soft, dx_ref, **TOL)
+
+
+def _layer_norm_reference(x, dims, weight, bias, eps):
+    var, mean = torch.var_mean(x, dim=dims, keepdim=True, correction=0)
+    return (x - mean.detach()) / (var.detach() + eps).sqrt() * weight + bias
+
+
+@pytest.mark.parametrize("kind", ["nn", "timm", "timm2d"])
+def test_layernorm_backward_holds_statistics_constant(kind: str) -> None:
+    if kind == "timm2d":
+        ln, x, dims, shape = LayerNorm2d(6), torch.randn(2, 6, 3, 4, dtype=F64), (1,), (-1, 1, 1)
+    else:
+        ln = nn.LayerNorm((3, 6), eps=1e-3) if kind == "nn" else TimmLayerNorm(6)
+        x, dims, shape = torch.randn(2, 5, 3, 6, dtype=F64), ((-2, -1) if kind == "nn" else (-1,)), None
+    ln = ln.double()
+    with torch.no_grad():
+        ln.weight.normal_()
+        ln.bias.normal_()
+    # The affine parameters are trainable here: their gradients must survive too.
+    x = x * 3 + 1
+    g = torch.randn_like(x)
+    x_soft = x.clone().requires_grad_(True)
+    with soft_adjoint(ln):
+        y_soft = ln(x_soft)
+        dx_soft, dw_soft, db_soft = torch.autograd.grad(y_soft, (x_soft, ln.weight, ln.bias), g)
+    assert torch.equal(y_soft, ln(x))
+    x_ref = x.clone().requires_grad_(True)
+    w, b = (ln.weight.view(shape), ln.bias.view(shape)) if shape else (ln.weight, ln.bias)
+    y_ref = _layer_norm_reference(x_ref, dims, w, b, ln.eps)
+    dx_ref, dw_ref, db_ref = torch.autograd.grad(y_ref, (x_ref, ln.weight, ln.bias), g)
+    torch.testing.assert_close(dx_soft, dx_ref, **TOL)
+    torch.testing.assert_close(dw_soft, dw_ref, **TOL)
+    torch.testing.assert_close(db_soft, db_ref, **TOL)
+    dx_plain, _ = torch.autograd.grad(ln(x_ref), (x_ref, ln.weight), g)
+    assert not torch.allclose(dx_soft, dx_plain)
+    _, dx_plain, dx_off = soft_vs_plain(ln, x, layernorm=False)
+    torch.testing.assert_close(dx_off, dx_plain, **TOL)
+
+
+def _timm_attention_reference(attn: TimmAttention, x: torch.Tensor) -> torch.Tensor:
+    B, N, C = x.shape
+    q, k, v = attn.qkv(x).reshape(B, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    weights = torch.softmax((q * attn.scale) @ k.transpose(-2, -1), dim=-1).detach()
+    return attn.proj((weights @ v).transpose(1, 2).reshape(B, N, C))
+
+
+def _pvt_attention_reference(attn: PvtAttention, x: torch.Tensor) -> torch.Tensor:
+    B, N, C = x.shape
+    q = attn.q(x).reshape(B, N, attn.num_heads, -1).permute(0, 2, 1, 3)
+    k, v = attn.kv(x).reshape(B, N, 2, attn.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    weights = torch.softmax((q * attn.scale) @ k.transpose(-2, -1), dim=-1).detach()
+    return attn.proj((weights @ v).transpose(1, 2).reshape(B, N, C))
+
+
+@pytest.mark.parametrize("arch", ["timm", "pvt"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_attention_backward_skips_the_softmax(arch: str, fused: bool) -> None:
+    if arch == "timm":
+        attn, reference = TimmAttention(12, num_heads=3, qkv_bias=True), _timm_attention_reference
+        model = Lambda(attn)
+    else:
+        attn, reference = PvtAttention(12, num_heads=3, sr_ratio=1), _pvt_attention_reference
+        model = Lambda(attn)
+        model.forward = lambda t: attn(t, [2, 3])  # PVT attention takes the token grid size
+    attn.double().eval()
+    attn.fused_attn = fused
+    x = torch.randn(2, 6, 12, dtype=F64) * 2
+    g, dx_plain, dx_soft = soft_vs_plain(model, x)
+    x_ref = x.clone().requires_grad_(True)
+    (dx_ref,) = torch.autograd.grad(reference(attn, x_ref), x_ref, g)
+    torch.testing.assert_close(dx_soft, dx_ref, **TOL)
+    assert not torch.allclose(dx_soft, dx_plain)
+    _, dx_plain, dx_off = soft_vs_plain(model, x, attention=False)  # (a new random g)
+    torch.testing.assert_close(dx_off, dx_plain, **TOL)
+
+
+def test_relu_network_with_tiny_taus_gives_the_plain_gradient() -> None:
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1),
+        nn.Conv2d(8, 8, 3), Lambda(F.relu), nn.Flatten(), nn.Linear(8 * 6 * 6, 5),
+    ).double().eval()  # fmt: skip
+    x = torch.randn(3, 3, 16, 16, dtype=F64)
+    _, dx_plain, dx_soft = soft_vs_plain(net, x, relu_tau=1e-12, maxpool_tau=1e-12)
+    torch.testing.assert_close(dx_soft, dx_plain, **TOL)
+    _, _, dx_default = soft_vs_plain(net, x)
+    assert not torch.allclose(dx_default, dx_plain)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Restoration, unknown layers, threads
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Mixed(nn.Module):
+    """A bit of everything: conv/BN/ReLU(inplace)/max-pool, LayerNorm2d, timm attention, GELU, functional relu."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True))
+        self.pool = nn.MaxPool2d(2)
+        self.norm = LayerNorm2d(8)
+        self.attn = TimmAttention(8, num_heads=2)
+        self.act = nn.GELU()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.norm(self.pool(self.stem(x))).flatten(2).transpose(1, 2)
+        t = t + self.attn(t)
+        return self.head(F.relu(self.act(t)).mean(1))
+
+
+def _snapshot(model: nn.Module) -> dict:
+    return {
+        name: (
+            id(m),
+            m.training,
+            "forward" in m.__dict__,
+            getattr(m, "inplace", None),
+            getattr(m, "fused_attn", None),
+            dict(m._forward_hooks),
+            dict(m._forward_pre_hooks),
+            dict(m._backward_hooks),
+        )
+        for name, m in model.named_modules()
+    }
+
+
+def test_restores_model_and_functionals_after_an_exception() -> None:
+    model = Mixed().eval()
+    model.attn.fused_attn = False
+    model.stem[2].register_forward_hook(lambda *args: None)  # a user hook, which must stay
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    before = _snapshot(model)
+    functionals = {key: getattr(*key) for key in FUNCTIONALS}
+    x = torch.rand(2, 3, 8, 8, requires_grad=True)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with soft_adjoint(model):
+            model(x).sum().backward()
+            assert F.relu is not functionals[(F, "relu")]
+            raise RuntimeError("boom")
+    # An error raised inside a soft layer's forward must not leave anything behind either.
+    with pytest.raises(RuntimeError):
+        with soft_adjoint(model):
+            model.norm(torch.rand(2, 5, 4, 4, requires_grad=True))  # 5 channels, LayerNorm2d(8)
+
+    assert _snapshot(model) == before
+    assert {k: torch.equal(v, state[k]) for k, v in model.state_dict().items()} == dict.fromkeys(state, True)
+    assert {key: getattr(*key) for key in FUNCTIONALS} == functionals
+    # And the soft adjoint still works afterwards (a leaked "suspended" state would silently make it plain).
+    _, dx_plain, dx_soft = soft_vs_plain(model, x.detach())
+    assert not torch.allclose(dx_soft, dx_plain)
+
+
+def test_context_is_single_use() -> None:
+    ctx = soft_adjoint(nn.ReLU())
+    with ctx:
+        pass
+    with pytest.raises(RuntimeError, match="entered once"):
+        with ctx:
+            pass
+
+
+def test_unknown_gated_layers_are_reported() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Hardswish(), nn.ELU(), nn.ReLU(), nn.GroupNorm(2, 4))
+    with pytest.warns(UserWarning, match=r"1 \(Hardswish: activation\).*2 \(ELU: activation\).*4 \(GroupNorm"):
+        with soft_adjoint(model) as ctx:
+            pass
+    assert [name for name, _ in ctx.unknown] == ["1", "2", "4"]
+    assert ctx.softened == [("3", "relu")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with soft_adjoint(model, warn_unknown=False):
+            pass
+
+
+def test_functional_patches_are_soft_only_in_the_entering_thread() -> None:
+    z = torch.randn(50, dtype=F64)
+    results = {}
+
+    def relu_grad(key: str) -> None:
+        zz = z.clone().requires_grad_(True)
+        (results[key],) = torch.autograd.grad(F.relu(zz).sum(), zz)
+
+    with soft_adjoint(nn.Identity(), relu_tau=0.5):
+        worker = threading.Thread(target=relu_grad, args=("other",))
+        worker.start()
+        worker.join()
+        relu_grad("this")
+    torch.testing.assert_close(results["other"], (z > 0).to(F64), **TOL)
+    torch.testing.assert_close(results["this"], _PHI(z / 0.5), **TOL)
