@@ -1,0 +1,133 @@
+"""The call shape every attribution method shares: ``explainer.attribute(x, target=None) -> (B, H, W)``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from attr_engine.classifier import Classifier
+from kernels._validate import check_tensor
+
+__all__ = ["Explainer", "FunctionExplainer", "import_captum", "resolve_targets"]
+
+
+def import_captum() -> Any:
+    """``captum.attr``, or a clear error: Captum is an evaluation extra, not a core dependency."""
+    try:
+        import captum.attr
+    except ImportError as err:  # pragma: no cover - exercised only without the extra installed
+        raise ImportError(
+            "this baseline runs through Captum, which is not installed; pip install 'attr-engine[eval]'"
+        ) from err
+    return captum.attr
+
+
+def resolve_targets(
+    classifier: nn.Module, x: torch.Tensor, target: int | Sequence[int] | torch.Tensor | None
+) -> torch.Tensor:
+    """(B,) int64 classes on ``x``'s device: ``None`` takes the prediction, an int applies to every image.
+
+    Raises:
+        ValueError: booleans, floats, a wrong length, or a class outside ``[0, num_classes)`` (when known).
+    """
+    batch = x.shape[0]
+    if target is None:
+        with torch.no_grad():
+            return classifier(x).argmax(dim=1)
+    if isinstance(target, bool) or (isinstance(target, torch.Tensor) and target.dtype == torch.bool):
+        raise ValueError("target must be integer class indices, got booleans")
+    try:
+        t = torch.as_tensor(target, device=x.device)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"target must be an int, ints or an integer tensor, got {target!r}") from None
+    if t.is_floating_point() or t.is_complex():
+        raise ValueError(f"target must hold integer class indices, got dtype {t.dtype}")
+    if t.ndim == 0:
+        t = t.expand(batch)
+    if tuple(t.shape) != (batch,):
+        raise ValueError(f"target must be an int or have one entry per image ({batch}), got shape {tuple(t.shape)}")
+    num_classes = getattr(classifier, "num_classes", None)
+    upper = num_classes if isinstance(num_classes, int) else None
+    if bool((t < 0).any()) or (upper is not None and bool((t >= upper).any())):
+        raise ValueError(f"target classes must lie in [0, {upper if upper is not None else 'K'}), got {t.tolist()}")
+    return t.long()
+
+
+class Explainer:
+    """Base class: an attribution method bound to one classifier.
+
+    Subclasses implement ``_attribute(x, target) -> (B, H, W)`` for checked images and resolved targets; the base
+    class checks inputs and outputs so every method fails the same way on bad input.
+
+    Attributes:
+        name: registry name of the method.
+        classifier: the explained classifier (metrics read ``.classifier`` to resolve targets).
+        needs_grad: run ``_attribute`` with autograd enabled even inside ``torch.no_grad()``.
+    """
+
+    name = "explainer"
+    needs_grad = True
+
+    def __init__(self, classifier: nn.Module) -> None:
+        if not isinstance(classifier, nn.Module):
+            raise ValueError(f"classifier must be a torch.nn.Module (a Classifier), got {type(classifier).__name__}")
+        self.classifier = classifier
+
+    @property
+    def device(self) -> torch.device:
+        if isinstance(self.classifier, Classifier):
+            return self.classifier.norm_mean.device
+        param = next(self.classifier.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    def attribute(self, x: torch.Tensor, target: int | Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+        """Attribution maps.
+
+        Args:
+            x: (B, 3, H, W) images in [0, 1], on the classifier's device.
+            target: class per image (int, sequence or (B,) tensor); ``None`` explains the predicted class.
+
+        Returns:
+            (B, H, W) float32 maps (higher = more important for the target), detached.
+        """
+        if torch.is_inference_mode_enabled() and self.needs_grad:
+            raise RuntimeError(f"{self.name} needs autograd and cannot run inside torch.inference_mode()")
+        check_tensor(x, "x", ndim=4, finite=True)
+        if x.shape[1] != 3 or x.shape[0] == 0:
+            raise ValueError(f"x must be a non-empty RGB batch (B, 3, H, W), got shape {tuple(x.shape)}")
+        target = resolve_targets(self.classifier, x, target)
+        with torch.set_grad_enabled(self.needs_grad or torch.is_grad_enabled()):
+            maps = self._attribute(x, target)
+        if maps.shape != (x.shape[0], *x.shape[2:]):
+            raise RuntimeError(f"{self.name} produced maps of shape {tuple(maps.shape)} for images {tuple(x.shape)}")
+        return maps.detach().float()
+
+    __call__ = attribute
+
+    def _attribute(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class FunctionExplainer(Explainer):
+    """Any ``fn(x, target) -> (B, H, W)`` (or ``(B, C, H, W)``, averaged over channels) as an :class:`Explainer`."""
+
+    def __init__(
+        self, classifier: nn.Module, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], name: str = "function"
+    ) -> None:
+        super().__init__(classifier)
+        if not callable(fn):
+            raise ValueError(f"fn must be callable, got {type(fn).__name__}")
+        self.fn = fn
+        self.name = name
+
+    def _attribute(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        maps = self.fn(x, target)
+        if not isinstance(maps, torch.Tensor):
+            raise RuntimeError(f"{self.name} must return a tensor, got {type(maps).__name__}")
+        return maps.mean(dim=1) if maps.ndim == 4 else maps

@@ -1,0 +1,101 @@
+"""Grad-CAM (Selvaraju et al. 2017) for CNNs (through Captum) and ViTs (on the last block's patch tokens).
+
+CNNs: Captum's ``LayerGradCam`` on the last feature stage (timm's ``feature_info[-1]``), ReLU, then bilinear
+upsampling to the input size. ViTs: Captum's layer methods expect a (B, C, h, w) layer output, so the token case is
+done here, on the tokens *entering* the last block (in a class-token ViT only the class token of the last block's
+output reaches the head, so its patch tokens have zero gradient; the common choice, as in pytorch-grad-cam, is the
+last block's input side). The patch tokens - the model's ``num_prefix_tokens`` (class / distillation / register
+tokens) dropped - are weighted by their mean gradient per channel, summed over channels, passed through a ReLU and
+laid out on the patch grid timm reports (``patch_embed.dynamic_feat_size`` for dynamic-size models, else
+``patch_embed.grid_size``), then upsampled bilinearly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attr_engine.baselines.base import Explainer, import_captum
+
+__all__ = ["GradCAM", "is_vit"]
+
+
+def is_vit(model: nn.Module) -> bool:
+    """Whether ``model`` is a timm ViT-style model: a sequence of blocks over patch tokens from ``patch_embed``."""
+    return (
+        isinstance(getattr(model, "blocks", None), nn.Sequential | nn.ModuleList)
+        and hasattr(model, "patch_embed")
+        and hasattr(model, "num_prefix_tokens")
+    )
+
+
+def token_grid(model: nn.Module, height: int, width: int) -> tuple[int, int]:
+    """The (rows, cols) patch grid of a timm ViT for an input of ``height`` x ``width``."""
+    embed = model.patch_embed
+    if getattr(model, "dynamic_img_size", False) and hasattr(embed, "dynamic_feat_size"):
+        rows, cols = embed.dynamic_feat_size((height, width))
+    else:
+        rows, cols = embed.grid_size
+    return int(rows), int(cols)
+
+
+def _last_cnn_stage(model: nn.Module) -> nn.Module:
+    info = getattr(model, "feature_info", None)
+    if info:
+        entry = info[-1]
+        name = entry.get("module") if isinstance(entry, dict) else None
+        if name:
+            return model.get_submodule(name)
+    raise ValueError(
+        f"cannot find the last feature stage of {type(model).__name__} (no timm feature_info); pass layer="
+    )
+
+
+class GradCAM(Explainer):
+    """Grad-CAM maps, upsampled to the input.
+
+    Args:
+        classifier: a :class:`~attr_engine.classifier.Classifier` around a timm CNN or ViT.
+        layer: the module to take activations from; None picks the last CNN stage, or for ViTs the last block
+            (whose input tokens are used). Any other layer goes to Captum's ``LayerGradCam``, which expects a
+            (B, C, h, w) output.
+    """
+
+    name = "grad-cam"
+
+    def __init__(self, classifier: nn.Module, *, layer: nn.Module | None = None) -> None:
+        super().__init__(classifier)
+        model = getattr(classifier, "model", classifier)
+        self.tokens = is_vit(model) and (layer is None or layer is model.blocks[-1])
+        self.layer = layer if layer is not None else (model.blocks[-1] if self.tokens else _last_cnn_stage(model))
+        self._model = model
+
+    def _attribute(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.tokens:
+            cam = self._token_cam(x, target)
+        else:
+            captum = import_captum()
+            gradcam = captum.LayerGradCam(self.classifier, self.layer)
+            cam = gradcam.attribute(x.detach().requires_grad_(True), target=target, relu_attributions=True)
+        return F.interpolate(cam.float(), size=x.shape[-2:], mode="bilinear", align_corners=False).squeeze(1)
+
+    def _token_cam(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        captured: list[torch.Tensor] = []
+        handle = self.layer.register_forward_hook(lambda _m, inputs, _out: captured.append(inputs[0]))
+        try:
+            logits = self.classifier(x.detach().requires_grad_(True))
+        finally:
+            handle.remove()
+        if len(captured) != 1 or captured[0].ndim != 3:
+            raise RuntimeError(f"expected one (B, N, D) token input to the last block, got {len(captured)} calls")
+        tokens = captured[0]
+        (grads,) = torch.autograd.grad(logits.gather(1, target[:, None]).sum(), tokens)
+        prefix = int(self._model.num_prefix_tokens)
+        tokens, grads = tokens[:, prefix:], grads[:, prefix:]
+        rows, cols = token_grid(self._model, *x.shape[-2:])
+        if tokens.shape[1] != rows * cols:
+            raise RuntimeError(f"{tokens.shape[1]} patch tokens do not fill the {rows} x {cols} grid timm reports")
+        weights = grads.mean(dim=1, keepdim=True)  # (B, 1, D): global-average-pooled gradient per channel
+        cam = (tokens * weights).sum(dim=-1).relu()
+        return cam.view(-1, 1, rows, cols).detach()

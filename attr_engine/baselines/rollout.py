@@ -1,0 +1,85 @@
+"""Attention rollout (Abnar & Zuidema, ACL 2020) for timm ViTs; Captum has no attention methods.
+
+Each block's attention weights (B, heads, N, N) are fused over heads (mean by default), mixed with the identity
+for the residual path, ``0.5 * A + 0.5 * I``, re-normalised per row and multiplied through the blocks,
+``R = A_L ... A_1``. The map is the class token's row over the patch tokens (with no prefix token, the mean row),
+laid out on timm's patch grid and upsampled bilinearly. It is class-agnostic: ``target`` does not change it.
+
+The weights are read where every timm attention module applies ``attn_drop`` to the softmax, with the fused
+(scaled-dot-product) kernel switched off for the call; both switches are undone afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attr_engine.baselines.base import Explainer
+from attr_engine.baselines.cam import is_vit, token_grid
+
+__all__ = ["AttentionRollout"]
+
+_FUSIONS = ("mean", "max", "min")
+
+
+class AttentionRollout(Explainer):
+    """Attention rollout maps (B, H, W).
+
+    Args:
+        classifier: a :class:`~attr_engine.classifier.Classifier` around a timm ViT.
+        head_fusion: ``"mean"``, ``"max"`` or ``"min"`` over heads.
+    """
+
+    name = "attention-rollout"
+    needs_grad = False
+
+    def __init__(self, classifier: nn.Module, *, head_fusion: str = "mean") -> None:
+        super().__init__(classifier)
+        model = getattr(classifier, "model", classifier)
+        if not is_vit(model):
+            raise ValueError(f"attention rollout needs a timm ViT (blocks of patch tokens), got {type(model).__name__}")
+        attns = [getattr(block, "attn", None) for block in model.blocks]
+        if any(a is None or not isinstance(getattr(a, "attn_drop", None), nn.Module) for a in attns):
+            raise ValueError("every block needs an .attn module with an attn_drop layer (timm's Attention)")
+        if head_fusion not in _FUSIONS:
+            raise ValueError(f"head_fusion must be one of {_FUSIONS}, got {head_fusion!r}")
+        self.head_fusion = head_fusion
+        self._model = model
+        self._attns = attns
+
+    def _attribute(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        weights: list[torch.Tensor] = []
+        handles, fused = [], []
+        try:
+            for attn in self._attns:
+                fused.append((attn, getattr(attn, "fused_attn", None)))
+                if hasattr(attn, "fused_attn"):
+                    attn.fused_attn = False
+                handles.append(attn.attn_drop.register_forward_hook(lambda _m, _i, out: weights.append(out)))
+            with torch.no_grad():
+                self.classifier(x)
+        finally:
+            for handle in handles:
+                handle.remove()
+            for attn, flag in fused:
+                if flag is not None:
+                    attn.fused_attn = flag
+        if len(weights) != len(self._attns):
+            raise RuntimeError(f"captured {len(weights)} attention maps from {len(self._attns)} blocks")
+        rollout = None
+        for a in weights:
+            a = a.float()
+            a = a.mean(dim=1) if self.head_fusion == "mean" else getattr(a, f"a{self.head_fusion}")(dim=1)
+            eye = torch.eye(a.shape[-1], device=a.device, dtype=a.dtype)
+            a = 0.5 * a + 0.5 * eye
+            a = a / a.sum(dim=-1, keepdim=True)
+            rollout = a if rollout is None else a @ rollout
+        prefix = int(self._model.num_prefix_tokens)
+        rows = rollout[:, 0] if prefix > 0 else rollout.mean(dim=1)
+        patch = rows[:, prefix:]
+        grid = token_grid(self._model, *x.shape[-2:])
+        if patch.shape[1] != grid[0] * grid[1]:
+            raise RuntimeError(f"{patch.shape[1]} patch tokens do not fill the {grid[0]} x {grid[1]} grid")
+        cam = patch.reshape(-1, 1, *grid)
+        return F.interpolate(cam, size=x.shape[-2:], mode="bilinear", align_corners=False).squeeze(1)

@@ -1,0 +1,244 @@
+"""Report writers: Markdown tables, CSV, deletion / insertion curve plots and heatmap grids.
+
+Every function takes plain data (row dicts, ``{name: tensor}`` mappings), so any caller - the leaderboard, the CLI -
+can use them; :func:`write_report` writes all four for a :class:`~attr_engine.evaluate.Leaderboard`.
+
+- :func:`markdown_table` (rows -> str), :func:`write_markdown` (-> file)
+- :func:`write_csv` (rows -> file)
+- :func:`plot_curves` (``{method: {"fractions", "deletion", "insertion"}}`` -> PNG)
+- :func:`plot_heatmaps` (images + ``{method: maps}`` -> PNG grid)
+- :func:`write_report` (leaderboard -> ``<stem>.md``, ``<stem>.csv``, ``<stem>_curves.png``, ``<stem>_maps.png``)
+
+Figures are drawn with matplotlib's object API on an Agg canvas: nothing touches pyplot's global state or the
+process-wide backend, and no display is needed.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from attr_engine.evaluate import Leaderboard
+
+__all__ = ["markdown_table", "plot_curves", "plot_heatmaps", "write_csv", "write_markdown", "write_report"]
+
+_ARROWS = {"lower": "↓", "higher": "↑"}
+
+
+def _format(value: Any, digits: int) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if value != 0 and (abs(value) >= 10 ** (digits + 2) or abs(value) < 10**-digits):
+            return f"{value:.{digits}g}"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(
+    rows: Sequence[Mapping[str, Any]],
+    columns: Sequence[str] | None = None,
+    *,
+    directions: Mapping[str, str] | None = None,
+    digits: int = 3,
+    bold_best: bool = True,
+    title: str = "",
+) -> str:
+    """A Markdown table of row dicts.
+
+    Args:
+        rows: one mapping per table row.
+        columns: column order; None takes the keys of the first row.
+        directions: ``{column: "lower" | "higher"}``; such columns get an arrow in the header and, with
+            ``bold_best``, their best finite value in bold (ties all bold).
+        digits: decimals for floats (very large or small values use ``digits`` significant digits).
+        title: an optional line above the table.
+
+    Returns:
+        The table as a string ending in a newline.
+    """
+    if not rows:
+        raise ValueError("rows is empty")
+    columns = list(columns or rows[0].keys())
+    directions = dict(directions or {})
+    best: dict[str, float] = {}
+    for col in columns:
+        if col in directions and bold_best:
+            values = [float(r[col]) for r in rows if isinstance(r.get(col), int | float) and math.isfinite(r[col])]
+            if values:
+                best[col] = min(values) if directions[col] == "lower" else max(values)
+    header = [f"{c} {_ARROWS[directions[c]]}" if c in directions else c for c in columns]
+    lines = [f"**{title}**\n"] if title else []
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        cells = []
+        for c in columns:
+            v = r.get(c, "")
+            text = _format(v, digits)
+            if (
+                c in best
+                and isinstance(v, int | float)
+                and math.isfinite(v)
+                and _format(float(v), digits) == _format(best[c], digits)
+            ):
+                text = f"**{text}**"
+            cells.append(text)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(text: str, path: str | os.PathLike[str]) -> Path:
+    """Write Markdown text to ``path`` (parents created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def write_csv(
+    rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], columns: Sequence[str] | None = None
+) -> Path:
+    """Write row dicts as CSV (header + one line per row, floats at full precision); returns the path."""
+    if not rows:
+        raise ValueError("rows is empty")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns = list(columns or rows[0].keys())
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_curves(
+    curves: Mapping[str, Mapping[str, torch.Tensor]], path: str | os.PathLike[str], *, title: str = ""
+) -> Path:
+    """Deletion and insertion curves, one line per method, side by side; written as PNG.
+
+    Args:
+        curves: ``{method: {"fractions": (F,), "deletion": (F,), "insertion": (F,)}}`` (mean curves); both AUCs
+            are shown in the legend, right of the plots.
+        path: the PNG to write (parents created).
+    """
+    if not curves:
+        raise ValueError("curves is empty")
+    from matplotlib import colormaps
+
+    # tab20 keeps up to 20 methods apart by colour; beyond that the line style changes too.
+    palette = colormaps["tab20"]
+    fig = _figure(12.5, 4.2)
+    axes = fig.subplots(1, 2)
+    handles = []
+    for i, (method, c) in enumerate(curves.items()):
+        frac = c["fractions"].float().cpu()
+        style = {"color": palette(i % 20), "linestyle": ("-", "--", ":")[(i // 20) % 3]}
+        aucs = []
+        for ax, key in zip(axes, ("deletion", "insertion"), strict=True):
+            y = c[key].float().cpu()
+            (line,) = ax.plot(frac.numpy(), y.numpy(), **style)
+            aucs.append(float(torch.trapezoid(y, frac)))
+        handles.append((line, f"{method}: del {aucs[0]:.3f}, ins {aucs[1]:.3f}"))
+    for ax, key, better in zip(axes, ("deletion", "insertion"), ("lower", "higher"), strict=True):
+        ax.set_title(f"{key} ({better} AUC is better)")
+        ax.set_xlabel("fraction of pixels removed")
+        ax.set_ylabel("target probability")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    fig.legend([h for h, _ in handles], [label for _, label in handles], loc="center right", fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, 0.78, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def plot_heatmaps(
+    images: torch.Tensor,
+    maps: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    *,
+    title: str = "",
+    cmap: str = "jet",
+    alpha: float = 0.55,
+) -> Path:
+    """A grid with one row per image: the image, then each method's map over it; written as PNG.
+
+    Each map is scaled to [0, 1] on its own (min to max), so the grid compares where methods point, not magnitudes.
+
+    Args:
+        images: (k, 3, H, W) in [0, 1].
+        maps: ``{method: (k, H, W)}``.
+        path: the PNG to write (parents created).
+    """
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must be (k, 3, H, W), got {tuple(images.shape)}")
+    if not maps:
+        raise ValueError("maps is empty")
+    k = images.shape[0]
+    for name, m in maps.items():
+        if m.shape[0] < k or m.shape[-2:] != images.shape[-2:]:
+            raise ValueError(f"maps[{name!r}] must be (>= {k}, H, W) like the images, got {tuple(m.shape)}")
+    cols = 1 + len(maps)
+    fig = _figure(1.6 * cols, 1.6 * k + (0.4 if title else 0.2))
+    axes = fig.subplots(k, cols, squeeze=False)
+    for i in range(k):
+        img = images[i].float().clamp(0, 1).permute(1, 2, 0).cpu().numpy()
+        axes[i, 0].imshow(img)
+        for j, (name, m) in enumerate(maps.items(), start=1):
+            a = m[i].float().cpu()
+            a = (a - a.min()) / (a.max() - a.min()).clamp_min(1e-12)
+            axes[i, j].imshow(img)
+            axes[i, j].imshow(a.numpy(), cmap=cmap, alpha=alpha, vmin=0, vmax=1)
+            if i == 0:
+                axes[i, j].set_title(name, fontsize=7)
+        if i == 0:
+            axes[i, 0].set_title("image", fontsize=7)
+    for ax in axes.flat:
+        ax.set_axis_off()
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def write_report(board: Leaderboard, out_dir: str | os.PathLike[str], *, stem: str = "leaderboard") -> dict[str, Path]:
+    """Write a leaderboard's table (Markdown, CSV) and figures (curves, heatmap grid) into ``out_dir``.
+
+    Returns:
+        ``{"markdown", "csv"[, "curves"][, "maps"]}`` -> written paths (figures only when the leaderboard holds
+        curves / kept images).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = {
+        "markdown": write_markdown(board.to_markdown(), out / f"{stem}.md"),
+        "csv": board.to_csv(out / f"{stem}.csv"),
+    }
+    if board.curves:
+        written["curves"] = plot_curves(board.curves, out / f"{stem}_curves.png", title=board.title)
+    if board.images is not None and len(board.images) and board.maps:
+        written["maps"] = plot_heatmaps(board.images, board.maps, out / f"{stem}_maps.png", title=board.title)
+    return written

@@ -1,0 +1,186 @@
+"""Leaderboard on the embedded data: AHA, the Semantic Pullback and every baseline on a trained ViT and ResNet.
+
+    python -m benches.bench_leaderboard --out reports/leaderboard            # full run (2 CPU cores: ~1 hour)
+    python -m benches.bench_leaderboard --quick --out reports/leaderboard    # smoke run, about 2 minutes
+
+For each classifier (``small_model_config`` ViT and ResNet at 64 px, trained on ShapesDataset) an AHA explainer is
+trained, then every method - AHA (T=0, T=3), SfP, PA and every registered baseline that applies - is scored on the
+same held-out images on deletion / insertion (AHA protocol), Pos / Neg, infidelity (optimal scaling), max-sensitivity,
+random logit (Pearson) and the pointing games, with ms/image. Written to ``--out``: ``leaderboard_<kind>.md`` /
+``.csv`` / ``_curves.png`` / ``_maps.png`` per classifier and ``summary.md`` with the project's targets:
+
+- AHA (T=0 or T=3) has the best deletion and the best insertion of all methods, on both classifiers;
+- PA infidelity is at most 1/3 of the gradient's;
+- SfP random logit is no worse (no higher) than the gradient's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from attr_engine.aha import AHA, AHAConfig
+from attr_engine.baselines import Explainer, get_explainer, list_explainers
+from attr_engine.data.shapes import ShapesDataset
+from attr_engine.evaluate import Leaderboard, evaluate
+from attr_engine.report import write_markdown, write_report
+from attr_engine.train import evaluate_accuracy, small_model_config, train_classifier
+
+IMG = 64
+METRIC_NAMES = (
+    "deletion",
+    "insertion",
+    "pos",
+    "neg",
+    "infidelity",
+    "max_sensitivity",
+    "random_logit",
+    "pointing_game",
+    "energy_pointing_game",
+)
+
+
+@dataclass(frozen=True)
+class Budget:
+    n_train: int
+    epochs: int
+    aha_steps: int
+    n_test: int
+    rise_masks: int
+    ig_steps: int
+    smoothgrad_samples: int
+    infidelity_samples: int
+    sensitivity_samples: int
+
+
+# CPU-sized: the full run uses 32 test images, RISE with 500 masks and 5 max-sensitivity samples (the SP paper: 10),
+# because max-sensitivity re-runs every explainer per sample and RISE / occlusion cost hundreds of passes per image.
+QUICK = Budget(600, 3, 8, 8, 128, 8, 4, 1, 2)
+FULL = Budget(3000, 12, 400, 32, 500, 32, 16, 5, 5)
+
+
+def train(kind: str, budget: Budget, seed: int, log) -> tuple:
+    train_set = ShapesDataset(budget.n_train, img_size=IMG, seed=seed, with_masks=False)
+    start = time.perf_counter()
+    classifier = train_classifier(small_model_config(kind, IMG), train_set, epochs=budget.epochs, seed=seed)
+    test_set = ShapesDataset(budget.n_test, img_size=IMG, seed=seed + 1000)
+    acc = evaluate_accuracy(classifier, test_set)
+    log(f"[{kind}] classifier: {acc:.1%} held-out accuracy ({time.perf_counter() - start:.0f} s)")
+    start = time.perf_counter()
+    aha = AHA(classifier, AHAConfig(n_fractions=8, targets="pred", seed=seed))
+    aha.fit(train_set, batch_size=8, epochs=100, max_steps=budget.aha_steps, progress=False)
+    log(f"[{kind}] AHA: {budget.aha_steps} steps ({time.perf_counter() - start:.0f} s)")
+    return classifier, aha, test_set, acc
+
+
+def methods(classifier, aha: AHA, budget: Budget, seed: int) -> dict[str, Explainer]:
+    out: dict[str, Explainer] = {
+        "AHA (T=0)": get_explainer("aha", classifier, aha=aha),
+        "AHA (T=3)": get_explainer("aha", classifier, aha=aha, refine_steps=3, seed=seed),
+        "SfP": get_explainer("pullback-soft", classifier),
+        "PA": get_explainer("pullback-ascent", classifier),
+    }
+    options = {
+        "integrated-gradients": {"n_steps": budget.ig_steps},
+        "smoothgrad": {"n_samples": budget.smoothgrad_samples},
+        "rise": {"n_masks": budget.rise_masks, "seed": seed},
+    }
+    for name in list_explainers(classifier):
+        if name not in ("aha", "pullback-soft", "pullback-ascent"):
+            out[name] = get_explainer(name, classifier, **options.get(name, {}))
+    return out
+
+
+def targets(boards: dict[str, Leaderboard]) -> list[str]:
+    """The project's targets, each as a 'reached' / 'missed' line with the numbers behind it."""
+    lines = []
+    for kind, board in boards.items():
+        for metric in ("deletion", "insertion"):
+            col = board.column(metric)
+            best = board.best(metric)
+            aha = {m: v for m, v in col.items() if m.startswith("AHA")}
+            best_aha = min(aha, key=aha.get) if metric == "deletion" else max(aha, key=aha.get)
+            others = {m: v for m, v in col.items() if not m.startswith("AHA")}
+            runner = min(others, key=others.get) if metric == "deletion" else max(others, key=others.get)
+            status = "reached" if best.startswith("AHA") else "missed"
+            lines.append(
+                f"- {kind}: AHA best {metric}: **{status}** ({best_aha} {aha[best_aha]:.3f}; best other: "
+                f"{runner} {others[runner]:.3f})"
+            )
+        inf = board.column("infidelity")
+        ratio = inf["PA"] / inf["gradient"] if inf["gradient"] > 0 else float("inf")
+        lines.append(
+            f"- {kind}: PA infidelity <= 1/3 of gradient's: **{'reached' if ratio <= 1 / 3 else 'missed'}** "
+            f"(PA {inf['PA']:.4g}, gradient {inf['gradient']:.4g}, ratio {ratio:.2f})"
+        )
+        rl = board.column("random_logit")
+        ok = rl["SfP"] <= rl["gradient"]
+        lines.append(
+            f"- {kind}: SfP random logit <= gradient's: **{'reached' if ok else 'missed'}** "
+            f"(SfP {rl['SfP']:.3f}, gradient {rl['gradient']:.3f})"
+        )
+    return lines
+
+
+def run(kinds: list[str], *, quick: bool, out: Path, seed: int = 0, batch_size: int = 16) -> dict[str, Leaderboard]:
+    budget = QUICK if quick else FULL
+    boards: dict[str, Leaderboard] = {}
+    notes: list[str] = []
+    for kind in kinds:
+        torch.manual_seed(seed)
+        classifier, aha, test_set, acc = train(kind, budget, seed, print)
+        start = time.perf_counter()
+        metrics: dict[str, dict] = {name: {} for name in METRIC_NAMES}
+        metrics["infidelity"] = {"n_samples": budget.infidelity_samples}
+        metrics["max_sensitivity"] = {"n_samples": budget.sensitivity_samples}
+        board = evaluate(
+            classifier,
+            methods(classifier, aha, budget, seed),
+            test_set,
+            metrics,
+            batch_size=batch_size,
+            seed=seed,
+            title=f"{kind} ({acc:.0%} accuracy), {budget.n_test} images at {IMG} px",
+            log=lambda line, k=kind: print(f"[{k}] {line}"),
+        )
+        print(f"[{kind}] evaluated in {time.perf_counter() - start:.0f} s")
+        boards[kind] = board
+        for path in write_report(board, out, stem=f"leaderboard_{kind}").values():
+            print(f"[{kind}] wrote {path}")
+        notes.append(board.to_markdown())
+    summary = "\n".join(
+        [
+            f"# Leaderboard ({'quick' if quick else 'full'} run, seed {seed})\n",
+            *notes,
+            "## Targets\n",
+            *targets(boards),
+            "",
+        ]
+    )
+    print(summary)
+    write_markdown(summary, out / "summary.md")
+    return boards
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", choices=("vit", "resnet", "both"), default="both")
+    parser.add_argument("--quick", action="store_true", help="smoke run (about 2 minutes on 2 CPU cores)")
+    parser.add_argument("--out", type=Path, default=Path("reports/leaderboard"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kinds = ["vit", "resnet"] if args.kind == "both" else [args.kind]
+    start = time.perf_counter()
+    run(kinds, quick=args.quick, out=args.out, seed=args.seed)
+    print(f"total {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Small classifiers for the evaluation-suite tests (metrics, baselines, leaderboard): fast on a CPU, seeded."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from attr_engine.classifier import Classifier, load_classifier
+
+MEAN = (0.5, 0.4, 0.3)
+STD = (0.25, 0.2, 0.5)
+
+
+def tiny_convnet(num_classes: int = 5, seed: int = 0) -> Classifier:
+    """Conv-ReLU-MaxPool-Conv-ReLU-pool-linear on 16 px images: nonlinear, so explanations differ per input."""
+    gen = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(6, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32, num_classes),
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+    return Classifier(model, MEAN, STD)
+
+
+class LinearLogits(nn.Module):
+    """logits[:, k] = sum(weight[k] * z) for normalised input z (B, 3, H, W): every explanation is known exactly."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)  # (K, 3, H, W)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bchw,kchw->bk", z, self.weight)
+
+
+def linear_classifier(num_classes: int = 4, size: int = 8, seed: int = 0) -> Classifier:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(num_classes, 3, size, size, generator=gen)
+    return Classifier(LinearLogits(weight), MEAN, STD, input_size=(3, size, size), num_classes=num_classes)
+
+
+def tiny_vit(num_classes: int = 4, seed: int = 0) -> Classifier:
+    """A 2-block timm ViT on 32 px (4 x 4 patch grid, class token)."""
+    torch.manual_seed(seed)
+    return load_classifier(
+        "vit_tiny_patch16_224", num_classes=num_classes, img_size=32, patch_size=8, depth=2, embed_dim=32, num_heads=2
+    )
+
+
+def tiny_resnet(num_classes: int = 4, seed: int = 0) -> Classifier:
+    """timm resnet10t at channels (8, 16, 32, 64), for 32 px images."""
+    torch.manual_seed(seed)
+    return load_classifier("resnet10t", num_classes=num_classes, img_size=32, channels=[8, 16, 32, 64])
+
+
+def images(n: int, size: int, seed: int = 0) -> torch.Tensor:
+    return torch.rand(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Run torch ops on one thread, then restore the count.
+
+    These models are tiny: with several threads on a loaded machine every op waits for its threads to be scheduled
+    (about 10 ms per op on 2 shared cores), which is far slower than doing the work on one.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
