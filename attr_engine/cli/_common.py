@@ -1,0 +1,308 @@
+"""What the subcommands share: user errors, config files, classifier / data / method loading, output checks."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import platform
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attr_engine.classifier import Classifier
+
+__all__ = [
+    "EMBEDDED",
+    "HELD_OUT_SEED",
+    "SMALL_MODELS",
+    "UsageError",
+    "add_classifier_args",
+    "add_device_arg",
+    "build_explainer",
+    "check_writable_dir",
+    "config_defaults",
+    "load_aha",
+    "load_classifier_args",
+    "load_config_file",
+    "machine_summary",
+    "open_classifier",
+    "parse_key_values",
+    "resolve_device",
+]
+
+# Small timm configurations that train on a CPU in minutes (attr_engine.train.small_model_config).
+SMALL_MODELS = {"small-resnet": "resnet", "small-vit": "vit"}
+# The embedded dataset by name, and the seed offset of its held-out images (never the training seed's images).
+EMBEDDED = "shapes"
+HELD_OUT_SEED = 1_000_003
+
+
+class UsageError(Exception):
+    """A mistake the user can fix (bad flag value, missing file, unknown name): reported as one line, no traceback."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config files: YAML / JSON mappings of option names to values, overridden by flags given on the command line.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a mapping (JSON is valid YAML, so one parser reads both)."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise UsageError(f"{p} is not valid YAML/JSON: {' '.join(str(err).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"{p} must hold a mapping of option names to values, got a {type(data).__name__}")
+    return data
+
+
+def config_defaults(
+    parser: argparse.ArgumentParser, config: Mapping[str, Any], *, sections: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Turn a config mapping into parser defaults, so that flags on the command line override the file.
+
+    Keys are option names with ``-`` or ``_`` (``batch-size`` / ``batch_size``); values are checked and converted
+    exactly as the flag's own value would be. Keys named in ``sections`` (nested mappings such as ``aha:``) are
+    passed through as ``<section>_section``.
+
+    Raises:
+        UsageError: an unknown key (with close matches) or a value the option rejects.
+    """
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    defaults: dict[str, Any] = {}
+    for raw_key, value in config.items():
+        key = str(raw_key).replace("-", "_")
+        if key in sections:
+            if not isinstance(value, dict):
+                raise UsageError(f"config key {raw_key!r} must be a mapping, got {value!r}")
+            defaults[f"{key}_section"] = value
+            continue
+        action = actions.get(key)
+        if action is None:
+            close = difflib.get_close_matches(key, list(actions) + list(sections), n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise UsageError(f"unknown config key {raw_key!r}{hint}")
+        defaults[key] = _convert(action, value, raw_key)
+    return defaults
+
+
+def _convert(action: argparse.Action, value: Any, key: str) -> Any:
+    def one(v: Any) -> Any:
+        if isinstance(v, (dict, list)):
+            raise UsageError(f"config key {key!r}: expected a single value, got {v!r}")
+        try:
+            converted = action.type(str(v)) if callable(action.type) else v
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as err:
+            raise UsageError(f"config key {key!r}: invalid value {v!r} ({err})") from None
+        if action.choices is not None and converted not in action.choices:
+            raise UsageError(f"config key {key!r}: {v!r} is not one of {', '.join(map(str, action.choices))}")
+        return converted
+
+    if action.nargs == 0:  # store_true / store_false
+        if not isinstance(value, bool):
+            raise UsageError(f"config key {key!r} is a switch: use true or false, got {value!r}")
+        return value
+    if action.nargs in ("*", "+") or isinstance(action, argparse._AppendAction):
+        values = value if isinstance(value, list) else [value]
+        return [one(v) for v in values]
+    return one(value)
+
+
+def parse_key_values(items: Sequence[str] | None, what: str) -> dict[str, Any]:
+    """``["n_masks=500", "grid=8"]`` -> ``{"n_masks": 500, "grid": 8}``; values are read as YAML scalars/lists."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items or ():
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"{what} must be KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip().replace("-", "_")] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            raise UsageError(f"{what} {item!r}: cannot read the value {raw!r}") from None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Classifier, device, methods
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def add_device_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto (a GPU when there is one, cuda:LOCAL_RANK under torchrun), cpu, cuda or cuda:N",
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    from attr_engine.distributed import local_device
+
+    try:
+        return local_device(name)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def add_classifier_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("classifier")
+    group.add_argument(
+        "--classifier",
+        metavar="PATH",
+        help="classifier checkpoint (.safetensors) written by train-classifier or demo; its architecture is read "
+        "from the file",
+    )
+    group.add_argument(
+        "--model",
+        metavar="NAME",
+        help="timm model name (e.g. resnet50.a1_in1k): the architecture of --classifier, or a fresh model "
+        "(with --pretrained: timm's weights, downloaded on first use)",
+    )
+    group.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights for --model")
+    group.add_argument("--num-classes", type=int, help="number of classes of a --model without checkpoint")
+
+
+def _checkpoint_model_name(path: Path) -> str | None:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("model_name")
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise UsageError(f"{path} is not a valid classifier checkpoint (safetensors): {err}") from None
+
+
+def load_classifier_args(args: argparse.Namespace, device: torch.device, *, img_size: int | None = None) -> Classifier:
+    """Build the classifier named by ``--classifier`` / ``--model`` / ``--pretrained`` on ``device``."""
+    checkpoint = Path(args.classifier) if args.classifier else None
+    name = args.model
+    if checkpoint is None and name is None:
+        raise UsageError("no classifier: pass --classifier PATH (a checkpoint) or --model NAME (a timm model)")
+    if checkpoint is not None:
+        if not checkpoint.is_file():
+            raise UsageError(f"classifier checkpoint not found: {checkpoint}")
+        if args.pretrained:
+            raise UsageError("--pretrained and --classifier exclude each other (the checkpoint holds the weights)")
+        saved = _checkpoint_model_name(checkpoint)
+        name = name or saved
+        if name is None:
+            raise UsageError(f"{checkpoint} does not record its architecture; name it with --model NAME")
+    if name in SMALL_MODELS:
+        raise UsageError(f"{name!r} is a train-classifier preset; pass the checkpoint it wrote with --classifier")
+    clf = open_classifier(
+        name, pretrained=args.pretrained, num_classes=args.num_classes, img_size=img_size, checkpoint=checkpoint
+    )
+    return clf.to(device)
+
+
+def open_classifier(name: str, **kwargs: Any) -> Classifier:
+    """:func:`~attr_engine.classifier.load_classifier` with download and file failures turned into one-line errors."""
+    from attr_engine.classifier import load_classifier
+
+    try:
+        return load_classifier(name, **kwargs)
+    except FileNotFoundError as err:
+        raise UsageError(str(err)) from None
+    except (RuntimeError, OSError) as err:
+        # Pretrained downloads fail as RuntimeError / OSError (no network, no such tag on the hub).
+        raise UsageError(f"cannot load {name!r}: {' '.join(str(err).split())[:300]}") from None
+
+
+def build_explainer(
+    name: str,
+    classifier: Classifier,
+    *,
+    aha_dir: str | os.PathLike[str] | None = None,
+    refine_steps: int = 0,
+    seed: int = 0,
+    options: Mapping[str, Any] | None = None,
+) -> Any:
+    """An explainer from the registry (``attribute(x, target) -> (B, H, W)``) with a clear error for a bad name.
+
+    ``"pullback"`` is Pullback Ascent; ``"aha"`` loads the trained explainer from ``aha_dir``.
+    """
+    from attr_engine.baselines import get_explainer, list_explainers
+
+    key = name.strip().lower().replace("_", "-")
+    if key == "pullback":
+        key = "pullback-ascent"
+    kwargs = dict(options or {})
+    if key == "aha":
+        kwargs.update(aha=load_aha(aha_dir, classifier), refine_steps=refine_steps, seed=seed)
+    elif refine_steps:
+        raise UsageError("--refine-steps applies to --method aha only")
+    try:
+        return get_explainer(key, classifier, **kwargs)
+    except TypeError as err:
+        raise UsageError(f"method {name!r} does not take these options: {err}") from None
+    except ValueError as err:
+        if "unknown explainer" in str(err):
+            names = sorted([*list_explainers(), "pullback"])
+            close = difflib.get_close_matches(key, names, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise UsageError(f"unknown method {name!r}{hint}; available: {', '.join(names)}") from None
+        raise
+
+
+def load_aha(path: str | os.PathLike[str] | None, classifier: Classifier) -> Any:
+    """The trained AHA explainer in directory ``path`` (a train-aha / demo output), checked against the classifier."""
+    from attr_engine.aha import AHA
+
+    if path is None:
+        raise UsageError("--method aha needs --aha DIR, the directory train-aha (or demo) wrote")
+    try:
+        return AHA.load(path, classifier)
+    except FileNotFoundError as err:
+        raise UsageError(f"no AHA checkpoint in {path}: {err}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_writable_dir(path: str | os.PathLike[str]) -> Path:
+    """Create ``path`` if needed and prove it is writable now, before hours of work are spent on its contents."""
+    from attr_engine.checkpoint import atomic_write
+
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output {out} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-probe-{os.getpid()}"
+        with atomic_write(probe, "w") as f:
+            f.write("ok")
+        probe.unlink()
+    except OSError as err:
+        raise UsageError(f"output directory {out} is not writable: {err.strerror or err}") from None
+    return out
+
+
+def machine_summary(device: torch.device) -> dict[str, Any]:
+    """Where a result was measured: CPU, cores, torch threads, GPU, versions."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info

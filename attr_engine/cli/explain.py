@@ -1,0 +1,311 @@
+"""``explain``: attribution maps for an image file, a folder or an ImageFolder tree, resumable and shardable.
+
+Every input ``root/a/b.jpg`` gets ``OUT/a/b.npy`` (or ``.safetensors``) and, with ``--png``, ``OUT/a/b.overlay.png``.
+An input counts as done when all its outputs exist; every output is written atomically (temporary file, then
+rename), so an output that exists is complete, a killed run leaves nothing half-written, and running the same
+command again does only what is missing. ``OUT/explain.json`` records the settings the maps were made with; a later
+run with other settings is refused instead of silently mixing maps (``--overwrite`` redoes everything).
+
+Under ``torchrun --nproc_per_node=N -m attr_engine explain ...`` (or with ``RANK`` / ``WORLD_SIZE`` set by any
+launcher) every process lists the same inputs and takes its round-robin share (:mod:`attr_engine.distributed`), so no
+image is done twice or missed; no process group is needed. Each process writes its own maps and its own manifest,
+``OUT/_manifest/rank<R>-of-<N>.json`` (inputs of its share, maps written, inputs already done, unreadable files).
+
+Unreadable images are reported one line each and listed in the manifest; the others are still written and the exit
+status stays 0 (a single unreadable input file is an error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from attr_engine.cli._common import (
+    UsageError,
+    add_classifier_args,
+    add_device_arg,
+    build_explainer,
+    check_writable_dir,
+    load_classifier_args,
+    parse_key_values,
+    resolve_device,
+)
+
+SETTINGS_FILE = "explain.json"
+MANIFEST_DIR = "_manifest"
+FORMATS = ("npy", "safetensors")
+
+
+def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
+    p = subparsers.add_parser(
+        "explain",
+        help="attribution maps for an image, a folder or an ImageFolder tree (resumable, shards under torchrun)",
+        description="Attribution maps for an image file, a folder or an ImageFolder tree: one .npy / .safetensors "
+        "map per image (plus an overlay PNG with --png), mirroring the input tree under --out. Inputs are resized "
+        "(shorter side) and centre-cropped to the classifier's input size; maps are at that size. Maps already "
+        "written are skipped, so an interrupted run resumes; under torchrun every process takes its share.",
+    )
+    p.add_argument("input", metavar="INPUT", help="an image file, a folder of images, or an ImageFolder tree")
+    p.add_argument("--out", "-o", default="attributions", help="output directory (default: ./attributions)")
+    add_classifier_args(p)
+    p.add_argument(
+        "--method",
+        default=None,
+        help="aha (needs --aha), pullback (= pullback-ascent), pullback-soft, or any baseline: gradient, "
+        "saliency, gradient-x-input, integrated-gradients, smoothgrad, occlusion, grad-cam, rise, "
+        "attention-rollout. Default: aha with --aha, pullback without.",
+    )
+    p.add_argument("--aha", metavar="DIR", help="trained AHA checkpoint directory (train-aha or demo output)")
+    p.add_argument("--refine-steps", type=int, default=0, help="AHA test-time refinement steps T (default 0)")
+    p.add_argument("--option", action="append", metavar="KEY=VALUE", help="method option, e.g. n_masks=2000 for rise")
+    p.add_argument(
+        "--target",
+        default="pred",
+        help="class to explain: pred (the predicted class, default), label (the ImageFolder class), or an index",
+    )
+    p.add_argument("--format", choices=FORMATS, default="npy", help="map file format: npy (default) or safetensors")
+    p.add_argument("--png", action="store_true", help="also write a heat-map overlay PNG per image")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--img-size", type=int, help="input side (default: the classifier's, else 224)")
+    p.add_argument("--workers", type=int, default=0, help="image-decoding worker processes")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seeds torch's RNG and AHA refinement (rise, smoothgrad: --option seed=N)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="redo maps that already exist")
+    p.add_argument("--limit", type=int, help="make at most this many new maps in this run (chunked runs)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_device_arg(p)
+    p.set_defaults(run=run_explain)
+    return {"explain": p}
+
+
+@dataclass(frozen=True)
+class Item:
+    """One input image and where its outputs go (paths relative to the output directory)."""
+
+    path: Path
+    name: str
+    label: int
+    map_file: Path
+    png_file: Path
+
+
+def list_inputs(src: Path, fmt: str) -> tuple[list[Item], Any]:
+    """Every input image under ``src`` in a stable order, and the dataset object that decodes them.
+
+    Output names mirror the input tree with the image suffix replaced; inputs that would collide (``a.png`` and
+    ``a.jpg`` in one folder) keep their suffix in the name instead (``a.png.npy``).
+    """
+    from attr_engine.data import ImageFolderDataset
+
+    if src.is_dir():
+        reader = ImageFolderDataset(src)
+        rel = [(p.relative_to(src), label) for p, label in reader.samples]
+    else:
+        # A one-file "folder": the reader lists the parent (cheaply, nothing decoded) and is pointed at the file.
+        reader = ImageFolderDataset(src.parent, extensions=(src.suffix or ".",))
+        reader.samples = [(src, -1)]
+        rel = [(Path(src.name), -1)]
+    stems = Counter(r.with_suffix("") for r, _ in rel)
+    items = []
+    for (r, label), (path, _) in zip(rel, reader.samples, strict=True):
+        base = r.with_suffix("") if stems[r.with_suffix("")] == 1 else r
+        items.append(
+            Item(path, r.as_posix(), label, Path(f"{base.as_posix()}.{fmt}"), Path(f"{base.as_posix()}.overlay.png"))
+        )
+    return items, reader
+
+
+class _Decoded(torch.utils.data.Dataset):
+    """Decodes items with the folder reader; a file that fails comes back as its error message, not an exception."""
+
+    def __init__(self, items: list[Item], reader: Any, img_size: int) -> None:
+        self.items, self.reader = items, reader
+        self.reader.img_size = img_size
+        self.index = {path: i for i, (path, _) in enumerate(reader.samples)}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[Item, torch.Tensor | None, str | None]:
+        item = self.items[i]
+        try:
+            image, _ = self.reader[self.index[item.path]]
+        except ValueError as err:
+            return item, None, str(err)
+        return item, image, None
+
+
+def _settings(args: argparse.Namespace, method: str, options: dict[str, Any], classifier: Any, img_size: int) -> dict:
+    from attr_engine.aha.model import classifier_fingerprint
+
+    settings = {
+        "method": method,
+        "options": options,
+        "target": args.target,
+        "format": args.format,
+        "img_size": img_size,
+        "classifier": classifier_fingerprint(classifier),
+    }
+    if method == "aha":
+        from attr_engine.aha.model import WEIGHTS_FILE
+
+        # The explainer's identity is its weights, not its path: a moved checkpoint still matches, a retrained not.
+        digest = hashlib.sha256()
+        with open(Path(args.aha) / WEIGHTS_FILE, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        settings["aha"] = digest.hexdigest()[:16]
+        settings["refine_steps"] = args.refine_steps
+    return settings
+
+
+def _check_settings(out: Path, settings: dict[str, Any], overwrite: bool, rank: int) -> None:
+    from attr_engine.checkpoint import load_json, save_json
+
+    path = out / SETTINGS_FILE
+    if path.is_file() and not overwrite:
+        previous = load_json(path)
+        changed = [k for k in settings if previous.get(k) != settings[k]]
+        if changed:
+            diff = ", ".join(f"{k} {previous.get(k)!r} -> {settings[k]!r}" for k in changed)
+            raise UsageError(
+                f"{out} holds maps made with other settings ({diff}); use another --out, or --overwrite to redo them"
+            )
+    elif rank == 0:
+        save_json(settings, path)
+
+
+def _target_tensor(spec: str, items: list[Item]) -> torch.Tensor | None:
+    if spec == "pred":
+        return None
+    if spec == "label":
+        return torch.tensor([item.label for item in items])
+    return torch.full((len(items),), int(spec))
+
+
+def _write_map(amap: torch.Tensor, path: Path, fmt: str, meta: dict[str, str]) -> None:
+    from attr_engine.checkpoint import atomic_write, save_safetensors
+
+    if fmt == "npy":
+        with atomic_write(path, "wb") as f:
+            np.save(f, amap.numpy())
+    else:
+        save_safetensors({"map": amap}, path, meta)
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    from torch.utils.data import DataLoader
+    from tqdm.auto import tqdm
+
+    from attr_engine.checkpoint import save_json
+    from attr_engine.distributed import process_rank, shard
+    from attr_engine.visualize import save_overlay
+
+    for flag in ("batch_size", "limit", "img_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.target not in ("pred", "label") and not args.target.lstrip("-").isdigit():
+        raise UsageError(f"--target must be pred, label or a class index, got {args.target!r}")
+    try:
+        rank, world = process_rank()
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    src, out = Path(args.input), Path(args.out)
+    if not src.exists():
+        raise UsageError(f"input not found: {src}")
+    if src.is_dir() and (out.resolve() == src.resolve() or src.resolve() in out.resolve().parents):
+        raise UsageError(f"--out {out} lies inside the input folder {src}; its maps would be read as inputs")
+    method = args.method or ("aha" if args.aha else "pullback")
+    options = parse_key_values(args.option, "--option")
+
+    items, reader = list_inputs(src, args.format)
+    if args.target == "label" and any(item.label < 0 for item in items):
+        raise UsageError("--target label needs an ImageFolder tree (one subfolder per class)")
+    device = resolve_device(args.device)
+    classifier = load_classifier_args(args, device, img_size=args.img_size)
+    img_size = args.img_size or (classifier.input_size[1] if classifier.input_size else 224)
+    explainer = build_explainer(
+        method, classifier, aha_dir=args.aha, refine_steps=args.refine_steps, seed=args.seed, options=options
+    )
+    out = check_writable_dir(out)
+    _check_settings(out, _settings(args, method, options, classifier, img_size), args.overwrite, rank)
+
+    mine = shard(items, rank, world)
+
+    def done(item: Item) -> bool:
+        return (out / item.map_file).is_file() and (not args.png or (out / item.png_file).is_file())
+
+    finished = [False] * len(mine) if args.overwrite else [done(item) for item in mine]
+    todo = [item for item, f in zip(mine, finished, strict=True) if not f]
+    already = [item.name for item, f in zip(mine, finished, strict=True) if f]
+    if args.limit is not None:
+        todo = todo[: args.limit]
+
+    written: list[dict[str, Any]] = []
+    unreadable: list[dict[str, str]] = []
+    loader = DataLoader(
+        _Decoded(todo, reader, img_size), batch_size=args.batch_size, num_workers=args.workers, collate_fn=list
+    )
+    start = time.perf_counter()
+    bar = tqdm(total=len(todo), desc=f"explain [{rank}/{world}]" if world > 1 else "explain", unit="img",
+               disable=args.no_progress or not todo, dynamic_ncols=True)  # fmt: skip
+    torch.manual_seed(args.seed)
+    with bar:
+        for batch in loader:
+            good = [(item, image) for item, image, _ in batch if image is not None]
+            for item, _, error in batch:
+                if error is not None:
+                    unreadable.append({"input": item.name, "reason": error})
+                    if src.is_dir():  # a single input file that cannot be read is the error reported below
+                        bar.write(f"attr-engine explain: warning: skipped unreadable input: {error}", file=sys.stderr)
+            if good:
+                batch_items = [item for item, _ in good]
+                x = torch.stack([image for _, image in good]).to(device)
+                target = _target_tensor(args.target, batch_items)
+                with torch.no_grad():
+                    target = classifier(x).argmax(1) if target is None else target.to(device)
+                maps = explainer.attribute(x, target).float().cpu()
+                for item, image, amap, t in zip(batch_items, x.cpu(), maps, target.tolist(), strict=True):
+                    meta = {"input": item.name, "method": method, "target": str(t)}
+                    _write_map(amap.contiguous(), out / item.map_file, args.format, meta)
+                    if args.png:
+                        save_overlay(image, amap, out / item.png_file)
+                    written.append({"input": item.name, "output": item.map_file.as_posix(), "target": t})
+            bar.update(len(batch))
+
+    if src.is_file() and unreadable:
+        raise UsageError(unreadable[0]["reason"])
+    seconds = time.perf_counter() - start
+    save_json(
+        {
+            "rank": rank,
+            "world_size": world,
+            "inputs": [item.name for item in mine],
+            "written": written,
+            "already_done": already,
+            "unreadable": unreadable,
+            "seconds": round(seconds, 3),
+        },
+        out / MANIFEST_DIR / f"rank{rank}-of-{world}.json",
+    )
+    who = f"rank {rank}/{world}: " if world > 1 else ""
+    notes = [f"{len(already)} already done"] if already else []
+    if unreadable:
+        notes.append(f"{len(unreadable)} unreadable")
+    left = len(mine) - len(already) - len(written) - len(unreadable)
+    if left > 0:
+        notes.append(f"{left} left for a later run")
+    note = f" ({', '.join(notes)})" if notes else ""
+    print(f"{who}{len(written)} {method} map(s) written to {out}{note} in {seconds:.1f} s")
+    return 0

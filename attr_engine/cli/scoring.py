@@ -1,0 +1,214 @@
+"""``evaluate``: a leaderboard of attribution methods on held-out images, and the report files it shares with demo."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attr_engine.cli._common import (
+    EMBEDDED,
+    HELD_OUT_SEED,
+    UsageError,
+    add_classifier_args,
+    add_device_arg,
+    build_explainer,
+    check_writable_dir,
+    load_classifier_args,
+    resolve_device,
+)
+
+CHEAP_METRICS = ("deletion", "insertion")
+MASK_METRICS = ("pointing_game", "energy_pointing_game")
+
+
+def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
+    p = subparsers.add_parser(
+        "evaluate",
+        help="score attribution methods on the same images (deletion/insertion, pointing game, time, ...)",
+        description="Explain the same held-out images with every method and score each map with the same metrics "
+        "and randomness (attr_engine.evaluate). Prints a table; with --out also writes report.md, "
+        "leaderboard.csv, results.json, overlays.png and curves.png.",
+    )
+    add_classifier_args(p)
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated method names (see explain --method); default: aha (with --aha), pullback-ascent, "
+        "pullback-soft, gradient, integrated-gradients",
+    )
+    p.add_argument("--aha", metavar="DIR", help="trained AHA checkpoint directory")
+    p.add_argument("--refine-steps", type=int, default=0, help="also score AHA with T test-time refinement steps")
+    p.add_argument("--data", default=EMBEDDED, help=f"'{EMBEDDED}' (embedded, with object masks) or an image folder")
+    p.add_argument("--num-images", type=int, default=64, help="images to score")
+    p.add_argument("--img-size", type=int, help="input side (default: the classifier's, else 224)")
+    p.add_argument(
+        "--metrics",
+        default=None,
+        help="comma-separated metrics of attr_engine.evaluate.METRICS; default: deletion, insertion (and the "
+        "pointing games when the data has masks)",
+    )
+    p.add_argument("--target", choices=("pred", "label"), default="pred", help="class explained and scored")
+    p.add_argument("--batch-size", type=int, default=16, help="images per explainer call")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="directory for the report files")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_device_arg(p)
+    p.set_defaults(run=run_evaluate)
+    return {"evaluate": p}
+
+
+def evaluation_data(data: str, *, num_images: int, img_size: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """``(x, labels, masks)`` held-out embedded images, or ``(x, labels)`` spread evenly over an image folder."""
+    from attr_engine.data import ImageFolderDataset, ShapesDataset
+
+    if num_images < 1:
+        raise UsageError(f"--num-images must be >= 1, got {num_images}")
+    if data == EMBEDDED:
+        return ShapesDataset(num_images, img_size=img_size, seed=seed + HELD_OUT_SEED, with_masks=True).tensors()
+    root = Path(data)
+    if not root.is_dir():
+        raise UsageError(f"data folder not found: {root} (use '{EMBEDDED}' for the embedded dataset)")
+    ds = ImageFolderDataset(root, img_size=img_size, skip_unreadable=True)
+    # Evenly spaced picks cover every class of a sorted ImageFolder, not just the first one.
+    picks = sorted(set(torch.linspace(0, len(ds) - 1, min(num_images, len(ds))).round().long().tolist()))
+    images, labels = zip(*(ds[i] for i in picks), strict=True)
+    return torch.stack(images), torch.tensor(labels)
+
+
+def markdown(board: Any) -> str:
+    from attr_engine.report import markdown_table
+
+    return markdown_table(board.rows, board.columns, directions=board.directions)
+
+
+def plain_table(board: Any) -> str:
+    """The leaderboard as fixed-width text for the terminal."""
+    columns = board.columns
+    cells = [[_fmt(row.get(c, ""), c) for c in columns] for row in board.rows]
+    header = [f"{c} {'↓' if board.directions.get(c) == 'lower' else '↑'}" if c in board.directions else c
+              for c in columns]  # fmt: skip
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+
+    def line(values: list[str]) -> str:
+        # Method names left-aligned, numbers right-aligned.
+        pairs = enumerate(zip(values, widths, strict=True))
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in pairs)
+
+    lines = [line(header), "  ".join("-" * w for w in widths), *(line(r) for r in cells)]
+    return "\n".join(lines)
+
+
+def _fmt(value: Any, column: str) -> str:
+    if isinstance(value, float):
+        return "nan" if value != value else f"{value:.1f}" if column == "ms/image" else f"{value:.3f}"
+    return str(value)
+
+
+def write_board(board: Any, out: Path, *, results: dict[str, Any]) -> dict[str, Path]:
+    """``leaderboard.csv``, ``overlays.png`` (kept images, every method side by side), ``curves.png`` and
+    ``results.json`` (``results`` plus the table rows and mean curves) in ``out``."""
+    from attr_engine.checkpoint import save_json
+    from attr_engine.report import plot_curves, plot_heatmaps, write_csv
+
+    files = {"csv": write_csv(board.rows, out / "leaderboard.csv", board.columns)}
+    if board.images is not None and len(board.images) and board.maps:
+        files["overlays"] = plot_heatmaps(board.images, board.maps, out / "overlays.png")
+    if board.curves:
+        files["curves"] = plot_curves(board.curves, out / "curves.png")
+    curves = {m: {k: v.tolist() for k, v in c.items()} for m, c in board.curves.items()}
+    save_json({**results, "leaderboard": board.rows, "curves": curves}, out / "results.json")
+    files["results"] = out / "results.json"
+    return files
+
+
+def run_leaderboard(
+    classifier: Any,
+    methods: dict[str, Any],
+    data: tuple[torch.Tensor, ...],
+    metrics: list[str],
+    *,
+    progress: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """:func:`attr_engine.evaluate.evaluate` with a progress bar over the methods."""
+    from tqdm.auto import tqdm
+
+    from attr_engine.evaluate import evaluate
+
+    names = list(methods)
+    with tqdm(total=len(names), desc="evaluate", unit="method", disable=not progress, dynamic_ncols=True) as bar:
+        bar.set_postfix_str(names[0])
+
+        def log(line: str) -> None:
+            bar.update(1)
+            if bar.n < len(names):
+                bar.set_postfix_str(names[bar.n])
+
+        return evaluate(classifier, methods, data, metrics, log=log, **kwargs)
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    from attr_engine.checkpoint import atomic_write
+    from attr_engine.evaluate import METRICS
+
+    for flag in ("batch_size", "num_images"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.refine_steps < 0:
+        raise UsageError(f"--refine-steps must be >= 0, got {args.refine_steps}")
+    out = check_writable_dir(args.out) if args.out else None
+    device = resolve_device(args.device)
+    classifier = load_classifier_args(args, device, img_size=args.img_size)
+    img_size = args.img_size or (classifier.input_size[1] if classifier.input_size else 224)
+    data = evaluation_data(args.data, num_images=args.num_images, img_size=img_size, seed=args.seed)
+    has_masks = len(data) == 3
+
+    if args.methods:
+        names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    else:
+        names = (["aha"] if args.aha else []) + ["pullback-ascent", "pullback-soft", "gradient", "integrated-gradients"]
+    methods: dict[str, Any] = {}
+    for name in names:
+        methods[name] = build_explainer(name, classifier, aha_dir=args.aha, seed=args.seed)
+        if name == "aha" and args.refine_steps:
+            methods[f"aha (T={args.refine_steps})"] = build_explainer(
+                name, classifier, aha_dir=args.aha, refine_steps=args.refine_steps, seed=args.seed
+            )
+    if args.metrics:
+        metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+        unknown = [m for m in metrics if m not in METRICS]
+        if unknown:
+            raise UsageError(f"unknown metric(s) {', '.join(unknown)}; available: {', '.join(METRICS)}")
+        if not has_masks and any(METRICS[m].needs_masks for m in metrics):
+            raise UsageError("pointing-game metrics need object masks, which only the embedded data has")
+    else:
+        metrics = [*CHEAP_METRICS, *(MASK_METRICS if has_masks else ())]
+
+    board = run_leaderboard(
+        classifier,
+        methods,
+        data,
+        metrics,
+        progress=not args.no_progress,
+        target=args.target,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
+    print(plain_table(board))
+    if out is not None:
+        setup = {"data": args.data, "images": len(data[0]), "img_size": img_size, "target": args.target,
+                 "seed": args.seed, "methods": list(methods), "metrics": metrics}  # fmt: skip
+        files = write_board(board, out, results={"setup": setup})
+        text = [f"# attr-engine evaluation\n\n{len(data[0])} images from `{args.data}`, {img_size} px, target: "
+                f"{args.target}, seed {args.seed}.\n", markdown(board)]  # fmt: skip
+        if "overlays" in files:
+            text.append("\n![maps](overlays.png)\n")
+        if "curves" in files:
+            text.append("\n![deletion and insertion curves](curves.png)\n")
+        with atomic_write(out / "report.md", "w") as f:
+            f.write("\n".join(text))
+        print(f"report: {out / 'report.md'}")
+    return 0

@@ -1,0 +1,284 @@
+"""``train-classifier`` and ``train-aha``: the two trainings, on embedded data or an image folder."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from attr_engine.cli._common import (
+    EMBEDDED,
+    HELD_OUT_SEED,
+    SMALL_MODELS,
+    UsageError,
+    add_classifier_args,
+    add_device_arg,
+    check_writable_dir,
+    load_classifier_args,
+    open_classifier,
+    parse_key_values,
+    resolve_device,
+)
+
+CLASSIFIER_FILE = "classifier.safetensors"
+
+
+def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
+    tc = subparsers.add_parser(
+        "train-classifier",
+        help="train a classifier (a small timm preset or any timm model) on embedded data or an image folder",
+        description="Train a classifier and write OUT/classifier.safetensors (weights plus what is needed to rebuild "
+        "it) and OUT/train.json. Start from scratch, from timm's pretrained weights (--pretrained), or fine-tune a "
+        "checkpoint (--init).",
+    )
+    tc.add_argument(
+        "--model",
+        default="small-resnet",
+        help="timm model name, or a preset that trains on a CPU in minutes: small-resnet (default), small-vit",
+    )
+    tc.add_argument("--pretrained", action="store_true", help="start from timm's pretrained weights (download)")
+    tc.add_argument("--init", metavar="PATH", help="fine-tune this classifier checkpoint instead of a fresh model")
+    _add_data_args(tc, default_images=2000)
+    tc.add_argument("--out", required=True, help="output directory")
+    tc.add_argument("--epochs", type=int, default=6)
+    tc.add_argument("--batch-size", type=int, default=32)
+    tc.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
+    tc.add_argument("--seed", type=int, default=0)
+    tc.add_argument("--workers", type=int, default=0, help="data-loading worker processes")
+    tc.add_argument("--resume", action="store_true", help="keep a classifier OUT already holds instead of failing")
+    tc.add_argument("--overwrite", action="store_true", help="replace a classifier OUT already holds")
+    tc.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_device_arg(tc)
+    tc.set_defaults(run=run_train_classifier)
+
+    ta = subparsers.add_parser(
+        "train-aha",
+        help="train the AHA explainer for a classifier (DDP under torchrun)",
+        description="Train AHA's decoder for a frozen classifier and write its checkpoint directory OUT "
+        "(explainer.safetensors, config.json, trainer.safetensors). Checkpoints are written every "
+        "--checkpoint-every steps; --resume continues an interrupted run exactly where it stopped. Under "
+        "'torchrun --nproc_per_node=N -m attr_engine train-aha ...' the decoder trains with DDP (--batch-size "
+        "is per process). AHAConfig fields can be set in the config file's 'aha:' section or with --aha-option.",
+    )
+    add_classifier_args(ta)
+    _add_data_args(ta, default_images=2000)
+    ta.add_argument("--out", required=True, help="AHA checkpoint directory")
+    ta.add_argument("--epochs", type=int, default=1)
+    ta.add_argument("--batch-size", type=int, default=32, help="images per step and process")
+    ta.add_argument("--max-steps", type=int, help="stop after this many optimiser steps")
+    ta.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    ta.add_argument("--resume", action="store_true", help="continue from the checkpoint in OUT")
+    ta.add_argument("--overwrite", action="store_true", help="start over even if OUT holds a checkpoint")
+    ta.add_argument("--seed", type=int, default=None, help="training seed (AHAConfig.seed, default 42)")
+    ta.add_argument("--lr", type=float, default=None, help="AdamW learning rate (AHAConfig.lr, default 3e-4)")
+    ta.add_argument("--n-fractions", type=int, default=None, help="perturbation fractions per curve (default 16)")
+    ta.add_argument("--targets", choices=("pred+label", "pred"), default=None, help="classes explained per image")
+    ta.add_argument("--aha-option", action="append", metavar="KEY=VALUE", help="any AHAConfig field, repeatable")
+    ta.add_argument("--workers", type=int, default=0, help="data-loading worker processes")
+    ta.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_device_arg(ta)
+    ta.set_defaults(run=run_train_aha, _config_sections=("aha",))
+    return {"train-classifier": tc, "train-aha": ta}
+
+
+def _add_data_args(parser: argparse.ArgumentParser, *, default_images: int) -> None:
+    group = parser.add_argument_group("data")
+    group.add_argument(
+        "--data",
+        default=EMBEDDED,
+        help=f"'{EMBEDDED}' (the embedded procedural dataset, generated on the fly) or an ImageFolder directory "
+        "(one subfolder per class)",
+    )
+    group.add_argument("--num-images", type=int, default=default_images, help=f"images generated for --data {EMBEDDED}")
+    group.add_argument(
+        "--img-size",
+        type=int,
+        default=None,
+        help="square input side (default: the classifier's; 64 for the presets and the embedded data, else 224)",
+    )
+
+
+def load_training_data(data: str, *, img_size: int, num_images: int, seed: int) -> Any:
+    """The embedded shapes (seeded) or an image folder resized to ``img_size``; unreadable images are skipped."""
+    from attr_engine.data import ImageFolderDataset, ShapesDataset
+
+    if data == EMBEDDED:
+        if num_images < 1:
+            raise UsageError(f"--num-images must be >= 1, got {num_images}")
+        return ShapesDataset(num_images, img_size=img_size, seed=seed, with_masks=False)
+    root = Path(data)
+    if not root.is_dir():
+        raise UsageError(f"data folder not found: {root} (use '{EMBEDDED}' for the embedded dataset)")
+    ds = ImageFolderDataset(root, img_size=img_size, skip_unreadable=True)
+    if not ds.class_names:
+        raise UsageError(f"{root} has no class subfolders; training needs the ImageFolder layout root/<class>/<image>")
+    return ds
+
+
+def _positive(value: int | None, flag: str) -> None:
+    if value is not None and value < 1:
+        raise UsageError(f"{flag} must be >= 1, got {value}")
+
+
+def run_train_classifier(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from attr_engine.checkpoint import save_json
+    from attr_engine.classifier import save_classifier
+    from attr_engine.train import evaluate_accuracy, small_model_config, train_classifier
+
+    for flag in ("epochs", "batch_size", "num_images"):
+        _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    device = resolve_device(args.device)
+    out = check_writable_dir(args.out)
+    target = out / CLASSIFIER_FILE
+    if target.exists():
+        if args.resume and not args.overwrite:
+            print(f"{target} already holds a trained classifier; nothing to do (--overwrite retrains)")
+            return 0
+        if not args.overwrite:
+            raise UsageError(f"{target} exists; pass --overwrite to retrain or --resume to keep it")
+
+    small = args.model in SMALL_MODELS or args.data == EMBEDDED
+    img_size = args.img_size or (64 if small else 224)
+    train_set = load_training_data(args.data, img_size=img_size, num_images=args.num_images, seed=args.seed)
+    num_classes = len(train_set.class_names)
+    eval_set = None
+    if args.data == EMBEDDED:
+        from attr_engine.data import ShapesDataset
+
+        # A held-out set from another seed: the accuracy in train.json is measured on images never trained on.
+        eval_set = ShapesDataset(256, img_size=img_size, seed=args.seed + HELD_OUT_SEED, with_masks=False)
+
+    if args.model in SMALL_MODELS:
+        if args.pretrained or args.init:
+            raise UsageError(f"{args.model} is trained from scratch; --pretrained / --init need a timm model name")
+        model: Any = small_model_config(SMALL_MODELS[args.model], img_size)
+    elif args.init:
+        if not Path(args.init).is_file():
+            raise UsageError(f"--init checkpoint not found: {args.init}")
+        if args.pretrained:
+            raise UsageError("--init and --pretrained exclude each other")
+        model = open_classifier(args.model, checkpoint=args.init, img_size=img_size)
+        if model.num_classes != num_classes:
+            raise UsageError(
+                f"{args.init} has {model.num_classes} classes but the data has {num_classes}; fine-tuning keeps them"
+            )
+    elif args.pretrained:
+        # timm replaces the pretrained head by a fresh one when num_classes differs from the checkpoint's.
+        model = open_classifier(args.model, pretrained=True, num_classes=num_classes, img_size=img_size)
+    else:
+        model = args.model
+    log: list[dict[str, float]] = []
+    start = time.perf_counter()
+    with tqdm(total=args.epochs, desc="classifier", unit="epoch", disable=args.no_progress, dynamic_ncols=True) as bar:
+
+        def on_epoch(stats: dict[str, float]) -> None:
+            log.append(stats)
+            bar.update(1)
+            bar.set_postfix({k: f"{v:.3f}" for k, v in stats.items() if k in ("loss", "train_acc", "eval_acc")})
+
+        clf = train_classifier(
+            model,
+            train_set,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            seed=args.seed,
+            device=device,
+            num_classes=num_classes,
+            num_workers=args.workers,
+            eval_dataset=eval_set,
+            log=on_epoch,
+        )
+    seconds = time.perf_counter() - start
+    save_classifier(clf, target)
+    summary: dict[str, Any] = {
+        "model": clf.model_name,
+        "model_kwargs": clf.model_kwargs,
+        "classes": list(train_set.class_names),
+        "data": args.data,
+        "num_images": len(train_set),
+        "img_size": img_size,
+        "epochs": args.epochs,
+        "seed": args.seed,
+        "seconds": round(seconds, 2),
+        "log": log,
+    }
+    if eval_set is not None:
+        summary["eval_accuracy"] = evaluate_accuracy(clf, eval_set)
+    save_json(summary, out / "train.json")
+    acc = f", held-out accuracy {summary['eval_accuracy']:.1%}" if "eval_accuracy" in summary else ""
+    print(f"classifier {clf.model_name} trained in {seconds:.0f} s{acc}: {target}")
+    return 0
+
+
+def aha_config_from_args(args: argparse.Namespace) -> Any:
+    """AHAConfig from the config file's ``aha:`` section, then ``--aha-option``, then the dedicated flags."""
+    from attr_engine.aha import AHAConfig
+
+    fields: dict[str, Any] = dict(getattr(args, "aha_section", None) or {})
+    fields.update(parse_key_values(args.aha_option, "--aha-option"))
+    for flag in ("seed", "lr", "n_fractions", "targets"):
+        if getattr(args, flag) is not None:
+            fields[flag] = getattr(args, flag)
+    try:
+        return AHAConfig.from_dict({k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    except TypeError as err:
+        raise UsageError(f"bad AHA option: {err}") from None
+
+
+def run_train_aha(args: argparse.Namespace) -> int:
+    from attr_engine.aha import AHA
+    from attr_engine.aha.model import CONFIG_FILE
+    from attr_engine.aha.trainer import TRAINER_FILE
+    from attr_engine.distributed import process_rank
+
+    for flag in ("epochs", "batch_size", "max_steps", "checkpoint_every", "num_images"):
+        _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    rank, world = process_rank()
+    device = resolve_device(args.device)
+    config = aha_config_from_args(args)
+    out = check_writable_dir(args.out)
+    has_checkpoint = (out / CONFIG_FILE).is_file() and (out / TRAINER_FILE).is_file()
+    if (out / CONFIG_FILE).exists() and not (args.resume or args.overwrite):
+        raise UsageError(f"{out} already holds an AHA checkpoint; pass --resume to continue or --overwrite")
+    resume = out if args.resume and has_checkpoint and not args.overwrite else None
+    if args.resume and resume is None and rank == 0:
+        print(f"no checkpoint to resume in {out}; starting from scratch")
+
+    classifier = load_classifier_args(args, device, img_size=args.img_size)
+    img_size = args.img_size or (classifier.input_size[1] if classifier.input_size else 224)
+    data = load_training_data(args.data, img_size=img_size, num_images=args.num_images, seed=config.seed)
+    if classifier.num_classes < len(getattr(data, "class_names", ())):
+        raise UsageError(
+            f"the data has {len(data.class_names)} classes but the classifier only {classifier.num_classes}"
+        )
+    aha = AHA(classifier, config, img_size=img_size)
+    start = time.perf_counter()
+    history = aha.fit(
+        data,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        max_steps=args.max_steps,
+        checkpoint_dir=out,
+        checkpoint_every=args.checkpoint_every,
+        resume=resume,
+        num_workers=args.workers,
+        progress=not args.no_progress,
+    )
+    if rank == 0:
+        steps = len(history["loss"])
+        tail = max(1, min(10, steps))
+        trend = ""
+        if steps:
+            dele = sum(history["deletion"][-tail:]) / tail
+            ins = sum(history["insertion"][-tail:]) / tail
+            trend = f"; last steps: soft deletion {dele:.3f}, soft insertion {ins:.3f}"
+        world_note = f" on {world} processes" if world > 1 else ""
+        print(
+            f"AHA: {steps} step(s) this run, {aha.steps_trained} in total{world_note}, "
+            f"{time.perf_counter() - start:.0f} s{trend}; checkpoint in {out}"
+        )
+    return 0

@@ -1,0 +1,89 @@
+"""Splitting batch work across the processes ``torchrun`` starts, without a process group.
+
+Batch attribution needs no communication: every process lists the same inputs in the same (sorted) order and takes
+its own round-robin share, so the shares are disjoint, cover every input, and differ in size by at most one. Each
+process writes only its own outputs. ``torchrun`` sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; outside it the
+process is rank 0 of 1. Training (``AHA.fit``) starts a real process group itself when ``WORLD_SIZE`` > 1.
+
+Example (a Ray/Spark-style map over shards needs nothing more)::
+
+    rank, world = process_rank()
+    for path in shard(sorted(paths), rank, world):
+        ...
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TypeVar
+
+import torch
+
+__all__ = ["local_device", "process_rank", "shard"]
+
+T = TypeVar("T")
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+def process_rank() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process from ``RANK`` / ``WORLD_SIZE`` (``(0, 1)`` when they are unset).
+
+    Raises:
+        ValueError: non-integer values, ``WORLD_SIZE`` < 1 or ``RANK`` outside ``[0, WORLD_SIZE)``.
+    """
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE must be >= 1, got {world}")
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK must be in [0, WORLD_SIZE={world}), got {rank}")
+    return rank, world
+
+
+def shard(items: Sequence[T], rank: int, world: int) -> list[T]:
+    """Round-robin share of ``items`` for ``rank`` of ``world``: items ``rank, rank + world, rank + 2 * world, ...``.
+
+    Over all ranks every item appears exactly once. Round-robin rather than contiguous blocks, so an input list
+    sorted by class (ImageFolder order) spreads every class, and its cost, over all ranks.
+    """
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive int, got {world!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank must be an int in [0, {world}), got {rank!r}")
+    return list(items[rank::world])
+
+
+def local_device(device: str = "auto") -> torch.device:
+    """Resolve a device name for this process.
+
+    ``"auto"`` picks ``cuda:LOCAL_RANK`` when CUDA is available and the CPU otherwise; a bare ``"cuda"`` also maps to
+    ``cuda:LOCAL_RANK``, so ``torchrun --nproc_per_node=N`` puts one process on each GPU. Explicit ``"cuda:I"`` and
+    ``"cpu"`` are taken as given.
+
+    Raises:
+        ValueError: an unparsable name, or a CUDA device that this machine does not have.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
+        index = dev.index if dev.index is not None else _env_int("LOCAL_RANK", 0)
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device cuda:{index} requested but only {torch.cuda.device_count()} GPU(s) are visible")
+        dev = torch.device("cuda", index)
+    return dev

@@ -1,0 +1,298 @@
+"""The attr-engine command line end to end, on tiny settings: demo, explain (corrupt files, resume, sharding),
+training commands, config files and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from attr_engine.checkpoint import load_safetensors
+from attr_engine.classifier import save_classifier
+from attr_engine.cli import explain as explain_cli
+from attr_engine.cli import main
+from attr_engine.distributed import process_rank, shard
+from attr_engine.train import small_model_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread: on a shared 2-core machine two threads spin on each other's barriers (10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An untrained small ResNet at 32 px with 6 classes, saved as train-classifier would."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("clf") / "classifier.safetensors"
+    save_classifier(small_model_config("resnet", 32).build(6), path)
+    return path
+
+
+def _images(root: Path, names: list[str], size: tuple[int, int] = (40, 36)) -> list[str]:
+    rng = np.random.default_rng(0)
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8)).save(root / name)
+    return names
+
+
+def _manifests(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((out / "_manifest").glob("*.json"))]
+
+
+def _explain(checkpoint: Path, src: Path, out: Path, *extra: str) -> int:
+    args = ["explain", str(src), "--classifier", str(checkpoint), "--out", str(out), "--no-progress"]
+    return main([*args, "--method", "gradient", "--batch-size", "2", *extra])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_demo_quick_writes_the_report_and_is_reproducible(tmp_path, capsys):
+    tiny = [
+        "--quick",
+        "--num-train",
+        "16",
+        "--aha-batch",
+        "2",
+        "--epochs",
+        "1",
+        "--aha-steps",
+        "2",
+        "--num-eval",
+        "4",
+        "--num-show",
+        "2",
+    ]
+    tiny += ["--img-size", "32", "--no-progress", "--methods", "pullback-soft,grad-cam"]
+    results = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        assert main(["demo", "--out", str(out), "--seed", "3", *tiny]) == 0
+        for name in ("report.md", "overlays.png", "curves.png", "leaderboard.csv", "results.json"):
+            assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+        assert (out / "checkpoints" / "classifier.safetensors").is_file()
+        assert (out / "checkpoints" / "aha" / "explainer.safetensors").is_file()
+        results.append(json.loads((out / "results.json").read_text()))
+    report = (tmp_path / "a" / "report.md").read_text()
+    for method in ("AHA", "AHA (T=1)", "Soft pullback", "Grad-CAM"):
+        assert f"| {method} |" in report
+    summary = capsys.readouterr().out
+    assert "attr-engine demo finished" in summary and "Grad-CAM" in summary
+    rows = [[{k: v for k, v in row.items() if k != "ms/image"} for row in r["leaderboard"]] for r in results]
+    assert [row["method"] for row in rows[0]] == ["AHA", "AHA (T=1)", "Soft pullback", "Grad-CAM"]
+    assert all(0.0 <= row["deletion"] <= 1.0 for row in rows[0])
+    # Same seed, same machine: the same scores and the same classifier weights.
+    assert rows[0] == rows[1]
+    weights = [load_safetensors(tmp_path / r / "checkpoints" / "classifier.safetensors")[0] for r in "ab"]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_explain_folder_with_a_corrupt_file_writes_the_others(checkpoint, tmp_path, capsys):
+    src, out = tmp_path / "images", tmp_path / "maps"
+    good = _images(src, ["cat/a.png", "cat/b.jpg", "dog/c.png", "dog/d.png"])
+    (src / "dog" / "broken.jpg").write_bytes(b"definitely not a jpeg")
+    assert _explain(checkpoint, src, out, "--png") == 0
+    err = capsys.readouterr().err
+    assert "broken.jpg" in err and "Traceback" not in err
+    for name in good:
+        amap = np.load(out / Path(name).with_suffix(".npy"))
+        assert amap.shape == (32, 32) and amap.dtype == np.float32 and np.isfinite(amap).all()
+        overlay = Image.open(out / Path(name).with_suffix(".overlay.png"))
+        assert overlay.size == (32, 32)
+    assert not (out / "dog" / "broken.npy").exists()
+    (manifest,) = _manifests(out)
+    assert sorted(w["input"] for w in manifest["written"]) == sorted(good)
+    assert [u["input"] for u in manifest["unreadable"]] == ["dog/broken.jpg"]
+
+
+def test_explain_single_file_to_safetensors(checkpoint, tmp_path):
+    _images(tmp_path, ["one.png"])
+    out = tmp_path / "maps"
+    assert _explain(checkpoint, tmp_path / "one.png", out, "--format", "safetensors", "--target", "4") == 0
+    tensors, meta = load_safetensors(out / "one.safetensors")
+    assert tensors["map"].shape == (32, 32)
+    assert meta["target"] == "4" and meta["method"] == "gradient" and meta["input"] == "one.png"
+
+
+def test_interrupted_explain_resumes_without_redoing_work(checkpoint, tmp_path, monkeypatch, capsys):
+    src, out = tmp_path / "images", tmp_path / "maps"
+    names = _images(src, [f"img{i}.png" for i in range(7)])
+    # A chunked run: --limit stops after 2 maps.
+    assert _explain(checkpoint, src, out, "--limit", "2") == 0
+    first = {p.name: p.stat().st_mtime_ns for p in out.glob("*.npy")}
+    assert len(first) == 2
+
+    # Ctrl-C in the middle of the third write of the next run: what was written stays, nothing half-written appears.
+    real_write, calls = explain_cli._write_map, []
+
+    def interrupted(amap, path, fmt, meta):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real_write(amap, path, fmt, meta)
+
+    monkeypatch.setattr(explain_cli, "_write_map", interrupted)
+    assert _explain(checkpoint, src, out) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert len(list(out.glob("*.npy"))) == 4
+    (out / ".img6.npy.abc123.tmp").write_bytes(b"torn")  # what a killed writer can leave behind: ignored
+
+    monkeypatch.setattr(explain_cli, "_write_map", real_write)
+    assert _explain(checkpoint, src, out) == 0
+    maps = {p.name: p.stat().st_mtime_ns for p in out.glob("*.npy")}
+    assert sorted(maps) == sorted(Path(n).with_suffix(".npy").name for n in names)
+    assert all(maps[name] == t for name, t in first.items())  # the first two were not redone
+    (manifest,) = _manifests(out)
+    assert len(manifest["already_done"]) == 4 and len(manifest["written"]) == 3
+
+    # Other settings into the same directory are refused instead of mixing maps.
+    assert main(["explain", str(src), "--classifier", str(checkpoint), "--out", str(out), "--method", "saliency"]) == 2
+    assert "other settings" in capsys.readouterr().err
+
+
+def test_two_process_sharded_explain_covers_every_input_once(checkpoint, tmp_path):
+    src, out = tmp_path / "images", tmp_path / "maps"
+    names = _images(src, [f"{c}/{i}.png" for c in ("a", "b", "c") for i in range(3)])
+    command = [sys.executable, "-m", "attr_engine", "explain", str(src), "--classifier", str(checkpoint)]
+    command += ["--out", str(out), "--method", "gradient", "--no-progress", "--batch-size", "2"]
+    procs = [
+        subprocess.Popen(
+            command,
+            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"},
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, stderr
+    manifests = _manifests(out)
+    assert [(m["rank"], m["world_size"]) for m in manifests] == [(0, 2), (1, 2)]
+    written = [w["input"] for m in manifests for w in m["written"]]
+    assert sorted(written) == sorted(names)  # every input once: none missing, none twice
+    assert abs(len(manifests[0]["written"]) - len(manifests[1]["written"])) <= 1
+    assert all((out / Path(n).with_suffix(".npy")).is_file() for n in names)
+
+
+def test_shard_and_process_rank(monkeypatch):
+    for n in (0, 1, 5, 8):
+        for world in (1, 2, 3):
+            shares = [shard(list(range(n)), r, world) for r in range(world)]
+            assert sorted(i for share in shares for i in share) == list(range(n))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert process_rank() == (0, 1)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="RANK"):
+        process_rank()
+    with pytest.raises(ValueError, match="rank"):
+        shard([1, 2], 3, 2)
+
+
+def test_train_explain_evaluate_pipeline_with_resume_and_config(tmp_path, capsys):
+    clf_dir, aha_dir = tmp_path / "clf", tmp_path / "aha"
+    common = ["--num-images", "16", "--img-size", "32"]
+    assert main(["train-classifier", "--out", str(clf_dir), "--epochs", "1", "--batch-size", "8", *common]) == 0
+    train_log = json.loads((clf_dir / "train.json").read_text())
+    assert train_log["model"] == "resnet10t" and len(train_log["log"]) == 1 and 0 <= train_log["eval_accuracy"] <= 1
+    assert main(["train-classifier", "--out", str(clf_dir), *common]) == 2  # refuses to overwrite silently
+
+    clf = str(clf_dir / "classifier.safetensors")
+    config = tmp_path / "aha.yaml"
+    config.write_text("batch-size: 4\nmax_steps: 1\naha:\n  n_fractions: 4\n  n_iters: 5\n  targets: pred\n")
+    base = ["train-aha", "--classifier", clf, "--out", str(aha_dir), "--config", str(config), "--no-progress", *common]
+    assert main(base) == 0
+    meta = json.loads((aha_dir / "config.json").read_text())
+    assert meta["steps_trained"] == 1 and meta["config"]["n_fractions"] == 4 and meta["config"]["n_iters"] == 5
+    # Flags override the file; --resume continues from step 1.
+    assert main([*base, "--resume", "--max-steps", "2"]) == 0
+    assert json.loads((aha_dir / "config.json").read_text())["steps_trained"] == 2
+    assert "1 step(s) this run, 2 in total" in capsys.readouterr().out
+    config.write_text("batch_sise: 4\n")
+    assert main(base) == 2
+    assert "unknown config key 'batch_sise' (did you mean batch_size?)" in capsys.readouterr().err
+
+    names = _images(tmp_path / "photos", ["p.png", "q.png", "r.png"])
+    out = tmp_path / "maps"
+    explain = ["explain", str(tmp_path / "photos"), "--classifier", clf, "--aha", str(aha_dir), "--out", str(out)]
+    assert main([*explain, "--refine-steps", "1", "--no-progress"]) == 0
+    assert json.loads((out / "explain.json").read_text())["method"] == "aha"
+    assert all(np.load(out / Path(n).with_suffix(".npy")).shape == (32, 32) for n in names)
+
+    ev = tmp_path / "eval"
+    evaluate = ["evaluate", "--classifier", clf, "--aha", str(aha_dir), "--methods", "aha,grad-cam", "--out", str(ev)]
+    assert main([*evaluate, "--num-images", "3", "--refine-steps", "1", "--no-progress"]) == 0
+    rows = json.loads((ev / "results.json").read_text())["leaderboard"]
+    assert [r["method"] for r in rows] == ["aha", "aha (T=1)", "grad-cam"]
+    assert {"deletion", "insertion", "pointing_game"} <= set(rows[0])
+    assert "| aha (T=1) |" in (ev / "report.md").read_text() and (ev / "overlays.png").is_file()
+
+
+def test_bench_engine_table(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--skip-kernels", "--quick", "--batch-size", "2", "--img-size", "32", "--out", str(out)]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    rows = json.loads(out.read_text())["engine"]
+    assert [r["step"] for r in rows][:3] == [
+        "classifier forward",
+        "classifier forward + input gradient",
+        "AHA training step (8 fractions)",
+    ]
+    assert all(r["ms/call"] > 0 and r["step"] in table for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("args", "message", "status"),
+    [
+        ("{src} --classifier {ckpt} --method gradeint", "unknown method 'gradeint' (did you mean gradient?)", 2),
+        ("{src} --classifier {ckpt} --method aha", "--method aha needs --aha DIR", 2),
+        ("{src} --classifier {ckpt} --method aha --aha {tmp}", "no AHA checkpoint in", 2),
+        ("{src} --classifier {tmp}/missing.safetensors", "classifier checkpoint not found", 2),
+        ("{src} --model resnet5O", "unknown timm model 'resnet5O'", 1),
+        ("{src} --classifier {ckpt} --out {tmp}/file.txt", "is not a directory", 2),
+        ("{tmp}/empty --classifier {ckpt}", "no images with extensions", 1),
+        ("{tmp}/bad.png --classifier {ckpt}", "cannot read image", 2),
+        ("{tmp}/nothing --classifier {ckpt}", "input not found", 2),
+        ("{src} --classifier {ckpt} --out {src}/maps", "lies inside the input folder", 2),
+        ("{src} --classifier {ckpt} --target class3", "--target must be pred, label or a class index", 2),
+        ("{src} --classifier {ckpt} --target label", "--target label needs an ImageFolder tree", 2),
+        ("{src} --classifier {ckpt} --device cuda:7", "cuda", 2),
+        ("{src} --classifier {ckpt} --batch-size 0", "--batch-size must be >= 1", 2),
+        ("{src} --classifier {ckpt} --format png", "invalid choice: 'png'", 2),
+    ],
+)
+def test_user_mistakes_are_one_line_without_traceback(checkpoint, tmp_path, capsys, args, message, status):
+    _images(tmp_path / "flat", ["x.png"])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad.png").write_bytes(b"\x89PNG broken")
+    (tmp_path / "file.txt").write_text("a file where a directory should be")
+    command = ["explain", "--out", str(tmp_path / "out"), "--no-progress"]
+    command += args.format(src=tmp_path / "flat", ckpt=checkpoint, tmp=tmp_path).split()
+    if status == 2 and "--format" in command:
+        with pytest.raises(SystemExit) as exit_info:  # argparse's own errors exit from parse_args
+            main(command)
+        assert exit_info.value.code == status
+    else:
+        assert main(command) == status
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and err[0].startswith("attr-engine explain: error:"), err
