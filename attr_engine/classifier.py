@@ -21,7 +21,7 @@ from torch import nn
 from attr_engine.checkpoint import load_safetensors, save_safetensors
 from kernels._validate import check_tensor
 
-__all__ = ["Classifier", "load_classifier", "save_classifier"]
+__all__ = ["Classifier", "load_classifier", "resolve_targets", "save_classifier"]
 
 # Marks a safetensors file written by save_classifier; its metadata can rebuild the architecture.
 _CHECKPOINT_FORMAT = "attr_engine.classifier/1"
@@ -344,3 +344,42 @@ def save_classifier(
     if classifier.input_size is not None and classifier.input_size[1] == classifier.input_size[2]:
         meta["img_size"] = str(classifier.input_size[1])
     save_safetensors(classifier.model.state_dict(), path, meta)
+
+
+def resolve_targets(
+    classifier: nn.Module,
+    x: torch.Tensor,
+    target: int | Sequence[int] | torch.Tensor | None,
+    *,
+    check_range: bool = True,
+) -> torch.Tensor:
+    """(B,) int64 classes on ``x``'s device: ``None`` takes the prediction, an int applies to every image.
+
+    ``check_range=False`` leaves the class range to the caller (e.g. checked against logits it computes anyway).
+
+    Raises:
+        ValueError: booleans, floats, a wrong length, or a class outside ``[0, num_classes)`` (when known).
+    """
+    batch = x.shape[0]
+    if target is None:
+        with torch.no_grad():
+            return classifier(x).argmax(dim=1)
+    if isinstance(target, bool) or (isinstance(target, torch.Tensor) and target.dtype == torch.bool):
+        raise ValueError("target must be integer class indices, got booleans")
+    try:
+        t = torch.as_tensor(target, device=x.device)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"target must be an int, ints or an integer tensor, got {target!r}") from None
+    if t.is_floating_point() or t.is_complex():
+        raise ValueError(f"target must hold integer class indices, got dtype {t.dtype}")
+    if t.ndim == 0:
+        t = t.expand(batch)
+    if tuple(t.shape) != (batch,):
+        raise ValueError(f"target must be an int or have one entry per image ({batch}), got shape {tuple(t.shape)}")
+    if not check_range:
+        return t.long()
+    num_classes = getattr(classifier, "num_classes", None)
+    upper = num_classes if isinstance(num_classes, int) else None
+    if bool((t < 0).any()) or (upper is not None and bool((t >= upper).any())):
+        raise ValueError(f"target classes must lie in [0, {upper if upper is not None else 'K'}), got {t.tolist()}")
+    return t.long()

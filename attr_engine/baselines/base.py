@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attr_engine.classifier import Classifier
+from attr_engine.classifier import Classifier, resolve_targets
 from kernels._validate import check_tensor
 
 __all__ = ["Explainer", "FunctionExplainer", "import_captum", "resolve_targets"]
@@ -23,37 +23,6 @@ def import_captum() -> Any:
             "this baseline runs through Captum, which is not installed; pip install 'attr-engine[eval]'"
         ) from err
     return captum.attr
-
-
-def resolve_targets(
-    classifier: nn.Module, x: torch.Tensor, target: int | Sequence[int] | torch.Tensor | None
-) -> torch.Tensor:
-    """(B,) int64 classes on ``x``'s device: ``None`` takes the prediction, an int applies to every image.
-
-    Raises:
-        ValueError: booleans, floats, a wrong length, or a class outside ``[0, num_classes)`` (when known).
-    """
-    batch = x.shape[0]
-    if target is None:
-        with torch.no_grad():
-            return classifier(x).argmax(dim=1)
-    if isinstance(target, bool) or (isinstance(target, torch.Tensor) and target.dtype == torch.bool):
-        raise ValueError("target must be integer class indices, got booleans")
-    try:
-        t = torch.as_tensor(target, device=x.device)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"target must be an int, ints or an integer tensor, got {target!r}") from None
-    if t.is_floating_point() or t.is_complex():
-        raise ValueError(f"target must hold integer class indices, got dtype {t.dtype}")
-    if t.ndim == 0:
-        t = t.expand(batch)
-    if tuple(t.shape) != (batch,):
-        raise ValueError(f"target must be an int or have one entry per image ({batch}), got shape {tuple(t.shape)}")
-    num_classes = getattr(classifier, "num_classes", None)
-    upper = num_classes if isinstance(num_classes, int) else None
-    if bool((t < 0).any()) or (upper is not None and bool((t >= upper).any())):
-        raise ValueError(f"target classes must lie in [0, {upper if upper is not None else 'K'}), got {t.tolist()}")
-    return t.long()
 
 
 class Explainer:

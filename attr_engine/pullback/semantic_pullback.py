@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from attr_engine.classifier import resolve_targets
 from attr_engine.pullback.soft_adjoint import soft_adjoint
 from kernels._validate import check_int_at_least, check_positive, check_tensor
 
@@ -157,33 +158,14 @@ class SemanticPullback:
         # A clone outside inference mode turns an inference tensor into one autograd can use.
         x0 = x.detach().clone()
         with torch.enable_grad():
-            target_idx = self._targets(x0, target)
+            # The class range is checked against the logits in _soft_pullback.
+            target_idx = resolve_targets(self.classifier, x0, target, check_range=False)
             with soft_adjoint(self.classifier, **self.config.soft_adjoint_kwargs()):
                 if method == "soft":
                     attribution = self._soft_pullback(x0, target_idx)
                 else:
                     attribution = self._ascent(x0, target_idx, steps, alpha)
         return _reduce_channels(attribution, reduce)
-
-    def _targets(self, x: torch.Tensor, target: int | Sequence[int] | torch.Tensor | None) -> torch.Tensor:
-        """``(B,)`` int64 class indices on x's device (the range is checked against the logits later)."""
-        if target is None:
-            with torch.no_grad():
-                return self.classifier(x).argmax(dim=-1)
-        if isinstance(target, bool) or (isinstance(target, torch.Tensor) and target.dtype == torch.bool):
-            raise ValueError("target must be integer class indices, got booleans")
-        try:
-            t = torch.as_tensor(target, device=x.device)
-        except (TypeError, ValueError, RuntimeError):
-            raise ValueError(f"target must be an int, ints or an integer tensor, got {target!r}") from None
-        if t.is_floating_point() or t.is_complex():
-            raise ValueError(f"target must be integer class indices, got dtype {t.dtype}")
-        batch = x.shape[0]
-        if t.ndim == 0:
-            t = t.expand(batch)
-        if t.shape != (batch,):
-            raise ValueError(f"target must be an int or have one entry per image ({batch}), got shape {tuple(t.shape)}")
-        return t.long()
 
     def _soft_pullback(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Gradient of the target logits at ``x`` under the (already open) soft adjoint: ``(B, C, H, W)``."""
