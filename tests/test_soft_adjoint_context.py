@@ -359,3 +359,130 @@ def test_functional_patches_are_soft_only_in_the_entering_thread() -> None:
         relu_grad("this")
     torch.testing.assert_close(results["other"], (z > 0).to(F64), **TOL)
     torch.testing.assert_close(results["this"], _PHI(z / 0.5), **TOL)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Nesting, out-of-order exits and concurrent threads: no state leaks between contexts or threads
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _relu_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)).double()
+
+
+def _relu_preacts(net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    z1 = net[0](x)
+    return z1, net[2](torch.relu(z1))
+
+
+def _grad(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    xx = x.detach().clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(net(xx).sum(), xx)
+    return g
+
+
+def _soft_grad_reference(net: nn.Module, x: torch.Tensor, tau: float) -> torch.Tensor:
+    """d/dx of the two-ReLU net with each ReLU's derivative replaced by Phi(z / tau), by hand."""
+    z1, z2 = _relu_preacts(net, x)
+    g2 = net[4].weight * _PHI(z2 / tau)  # (B, 16)
+    g1 = (g2 @ net[2].weight) * _PHI(z1 / tau)
+    return g1 @ net[0].weight
+
+
+def test_contexts_nest_and_exit_in_any_order_leaving_nothing_behind() -> None:
+    net = _relu_net()
+    x = torch.randn(4, 6, dtype=F64)
+    plain = _grad(net, x)
+    before = _snapshot(net)
+    outer, inner = soft_adjoint(net, relu_tau=0.5), soft_adjoint(net, relu_tau=2.0)
+    outer.__enter__()
+    torch.testing.assert_close(_grad(net, x), _soft_grad_reference(net, x, 0.5), **TOL)
+    inner.__enter__()  # the innermost context sets the temperatures
+    torch.testing.assert_close(_grad(net, x), _soft_grad_reference(net, x, 2.0), **TOL)
+    outer.__exit__(None, None, None)  # out of order: the outer one closes first
+    torch.testing.assert_close(_grad(net, x), _soft_grad_reference(net, x, 2.0), **TOL)
+    inner.__exit__(None, None, None)
+    assert _snapshot(net) == before
+    assert torch.equal(_grad(net, x), plain)
+    # An inner context that keeps a module plain wins over an outer one that softens it.
+    ln = nn.LayerNorm(6).double()
+    y = torch.randn(3, 6, dtype=F64)
+    ln_plain = _grad(ln, y)
+    with soft_adjoint(ln):
+        ln_soft = _grad(ln, y)
+        with soft_adjoint(ln, layernorm=False):
+            assert torch.equal(_grad(ln, y), ln_plain)
+        assert torch.equal(_grad(ln, y), ln_soft)
+    assert not torch.allclose(ln_soft, ln_plain)
+
+
+def test_other_threads_keep_the_plain_module_backward_while_a_context_is_open() -> None:
+    net = _relu_net()
+    x = torch.randn(4, 6, dtype=F64)
+    plain = _grad(net, x)
+    results = {}
+    worker = threading.Thread(target=lambda: results.setdefault("other", _grad(net, x)))
+    with soft_adjoint(net, relu_tau=0.5):
+        worker.start()
+        worker.join()
+        results["this"] = _grad(net, x)
+        assert torch.equal(net(x), net(x.clone()))  # forward values are untouched in either thread
+    assert torch.equal(results["other"], plain)
+    torch.testing.assert_close(results["this"], _soft_grad_reference(net, x, 0.5), **TOL)
+
+
+def test_concurrent_pullbacks_on_one_classifier_leave_no_soft_forward_behind() -> None:
+    """Issue #10.1: two threads (2 and 40 ascent steps) on one classifier used to leave soft forwards installed."""
+    from attr_engine.classifier import Classifier
+    from attr_engine.pullback import SemanticPullback
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(6, 6, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(6 * 4 * 4, 3),
+    ).double()  # fmt: skip
+    clf = Classifier(model, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
+    x = torch.rand(2, 3, 8, 8, dtype=F64)
+    target = torch.tensor([0, 2])
+    before = _snapshot(clf)
+    plain = _grad(clf, x)
+    sp = SemanticPullback(clf)
+    alone = {steps: sp.attribute(x, target, steps=steps) for steps in (2, 40)}
+
+    # Each thread waits at its first forward until the other has entered its context too, so the two contexts
+    # overlap for sure; the 40-step one then waits at its second forward until the 2-step one has returned, so the
+    # context entered first is also the first to close, while the other is still running.
+    barrier, calls, short_done = threading.Barrier(2, timeout=30), {}, threading.Event()
+
+    def meet(_module, _inputs):
+        me = threading.current_thread().name
+        calls[me] = calls.get(me, 0) + 1
+        if calls[me] == 1:
+            barrier.wait()
+        elif calls[me] == 2 and me == "steps40":
+            assert short_done.wait(timeout=30)
+
+    handle = clf.register_forward_pre_hook(meet)
+    results, errors = {}, []
+
+    def run(steps: int) -> None:
+        try:
+            results[steps] = sp.attribute(x, target, steps=steps)
+        except BaseException as err:  # surfaced below: a failing thread must fail the test
+            errors.append(err)
+        finally:
+            if steps == 2:
+                short_done.set()
+
+    threads = [threading.Thread(target=run, args=(steps,), name=f"steps{steps}") for steps in (2, 40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    handle.remove()
+    assert not errors, errors
+    assert _snapshot(clf) == before  # no module keeps an instance forward
+    assert torch.equal(_grad(clf, x), plain)  # the plain gradient is bit-identical to before
+    for steps in (2, 40):
+        torch.testing.assert_close(results[steps], alone[steps], **TOL)

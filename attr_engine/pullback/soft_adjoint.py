@@ -18,8 +18,12 @@ BatchNorm, linear ops  unchanged (affine in eval mode, already their own adjoint
 
 How layers are reached:
 
-- Modules are found by type through ``named_modules()`` and get an instance ``forward`` for the duration (module
-  objects, flags, parameters, buffers and hooks are never touched). Subclasses that override ``forward`` are not
+- Modules are found by type through ``named_modules()`` and get an instance ``forward`` while at least one context
+  covering them is open (module objects, flags, parameters, buffers and hooks are never touched). That instance
+  forward is a dispatcher installed once per module, with a reference count under a lock, and removed when the
+  last context covering the module closes, whatever the order in which contexts close. It is soft only in a
+  thread whose innermost open context covers the module, with that context's settings; every other call (another
+  thread, no context open, no gradient) runs the module's own forward. Subclasses that override ``forward`` are not
   assumed to behave like their base and are reported instead.
 - Functional calls inside a forward (``F.relu``, ``torch.relu``, ``F.relu6``, ``F.gelu``, ``F.silu``,
   ``F.max_pool2d``, ``F.scaled_dot_product_attention``: timm's fused attention path) are covered by patching those
@@ -34,6 +38,10 @@ How layers are reached:
 
 Every soft layer falls back to its plain forward when no gradient can flow (grad mode off or an input that does not
 require grad), so evaluation inside the context costs nothing extra.
+
+Contexts nest (the innermost one covering a module or, for the functional patches, the innermost one of the thread
+sets the temperatures), may be exited in any order, and may be open in several threads at once: all their state is
+per thread or per context, and nothing stays patched once the last one closes.
 """
 
 from __future__ import annotations
@@ -386,11 +394,79 @@ def _remove_functional_patches() -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+class _Installed:
+    """One module's dispatcher: installed by the first context covering the module, removed by the last."""
+
+    __slots__ = ("had_own", "module", "own", "plain", "users")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.had_own = "forward" in module.__dict__
+        self.own = module.__dict__.get("forward")
+        self.plain: Callable[..., Any] = module.forward  # the module's own forward, before any dispatcher
+        self.users = 0
+
+
+# id(module) -> its dispatcher record. The record holds the module, so the id cannot be reused while it is here.
+_INSTALLED: dict[int, _Installed] = {}
+_INSTALL_LOCK = threading.Lock()
+
+
+def _dispatcher(key: int, plain: Callable[..., Any]) -> Callable[..., Any]:
+    """The instance forward of a covered module: soft for the innermost open context of *this* thread covering it."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not getattr(_THREAD, "suspended", 0):
+            for ctx in reversed(_stack()):
+                if key in ctx._forwards:
+                    soft = ctx._forwards[key]
+                    return plain(*args, **kwargs) if soft is None else soft(*args, **kwargs)
+        return plain(*args, **kwargs)
+
+    return forward
+
+
+def _plain_forward(module: nn.Module) -> Callable[..., Any]:
+    """The module's own forward, even while a dispatcher of another context is installed on it."""
+    with _INSTALL_LOCK:
+        record = _INSTALLED.get(id(module))
+        return record.plain if record is not None else module.forward
+
+
+def _acquire(module: nn.Module) -> None:
+    with _INSTALL_LOCK:
+        key = id(module)
+        record = _INSTALLED.get(key)
+        if record is None:
+            record = _INSTALLED[key] = _Installed(module)
+            # Written into __dict__ directly: an instance attribute shadows the class forward for __call__, and
+            # nn.Module.__setattr__ bookkeeping (parameters, buffers, submodules) is not involved.
+            module.__dict__["forward"] = _dispatcher(key, record.plain)
+        record.users += 1
+
+
+def _release(module: nn.Module) -> None:
+    with _INSTALL_LOCK:
+        key = id(module)
+        record = _INSTALLED.get(key)
+        if record is None:
+            return
+        record.users -= 1
+        if record.users > 0:
+            return
+        del _INSTALLED[key]
+        if record.had_own:
+            module.__dict__["forward"] = record.own
+        else:
+            module.__dict__.pop("forward", None)
+
+
 class SoftAdjoint:
     """Context manager returned by :func:`soft_adjoint` (see there); single use, not re-entrant.
 
     After ``__enter__``: ``softened`` lists ``(name, kind)`` of the modules given a soft forward, ``unknown`` lists
-    ``(name, reason)`` of the modules reported as possibly gated but left plain.
+    ``(name, reason)`` of the modules reported as possibly gated but left plain. Any number of contexts (on the same
+    model or not, in one thread or several) may be open at once and exited in any order.
     """
 
     def __init__(
@@ -420,12 +496,15 @@ class SoftAdjoint:
         self.warn_unknown = warn_unknown
         self.softened: list[tuple[str, str]] = []
         self.unknown: list[tuple[str, str]] = []
-        # (module, had its own instance forward, that forward) in patch order, undone in reverse.
-        self._saved: list[tuple[nn.Module, bool, Any]] = []
+        # id(module) -> this context's soft forward for it (None: this context keeps it plain). Read by the
+        # dispatchers of the thread that entered this context; never written after __enter__.
+        self._forwards: dict[int, Callable[..., Any] | None] = {}
+        self._acquired: list[nn.Module] = []
+        self._stack: list[SoftAdjoint] | None = None
         self._state = "new"
 
     def _soft_forward(self, module: nn.Module, kind: str) -> Callable[..., Any] | None:
-        plain = module.forward
+        plain = _plain_forward(module)
         gate_taus = {
             "relu": self.relu_tau,
             "relu6": self.relu_tau,
@@ -441,12 +520,12 @@ class SoftAdjoint:
             return _layer_norm_forward(module, plain, kind == "layernorm2d") if self.layernorm else None
         drop = getattr(module, "attn_drop", None)
         if kind == "attention" and self.attention and isinstance(drop, nn.Module):
-            return _detached_forward(drop.forward)
+            return _detached_forward(_plain_forward(drop))
         return None
 
-    def _plan(self) -> list[tuple[nn.Module, Callable[..., Any]]]:
-        plan: list[tuple[nn.Module, Callable[..., Any]]] = []
-        # named_modules() yields a module used twice (a shared ReLU) once, so it is patched once.
+    def _plan(self) -> list[tuple[nn.Module, Callable[..., Any] | None]]:
+        plan: list[tuple[nn.Module, Callable[..., Any] | None]] = []
+        # named_modules() yields a module used twice (a shared ReLU) once, so it is planned once.
         for name, module in self.model.named_modules():
             kind = _module_kind(module)
             if kind is None:
@@ -459,11 +538,14 @@ class SoftAdjoint:
                 self.unknown.append((name, "MaxPool2d: return_indices=True keeps the hard max"))
             if kind == "attention" and getattr(module, "gate", None) is not None:
                 self.unknown.append((name, f"{type(module).__name__}: sigmoid output gate keeps its plain gradient"))
-            if forward is None:
+            target = getattr(module, "attn_drop", None) if kind == "attention" else module
+            if not isinstance(target, nn.Module):
                 continue
-            target = module.attn_drop if kind == "attention" else module
+            # A module this context keeps plain is still claimed (None): an outer context covering the same module
+            # must not make it soft while this, the innermost, is open.
             plan.append((target, forward))
-            self.softened.append((name, kind))
+            if forward is not None:
+                self.softened.append((name, kind))
         return plan
 
     def __enter__(self) -> SoftAdjoint:
@@ -472,14 +554,15 @@ class SoftAdjoint:
         self._state = "open"
         try:
             for module, forward in self._plan():
-                had_own = "forward" in module.__dict__
-                self._saved.append((module, had_own, module.__dict__.get("forward")))
-                # Written into __dict__ directly: an instance attribute shadows the class forward for __call__,
-                # and nn.Module.__setattr__ bookkeeping (parameters, buffers, submodules) is not involved.
-                module.__dict__["forward"] = forward
+                if id(module) in self._forwards:
+                    continue
+                self._forwards[id(module)] = forward
+                _acquire(module)
+                self._acquired.append(module)
             _install_functional_patches()
             self._state = "patched"
-            _stack().append(self)
+            self._stack = _stack()
+            self._stack.append(self)
         except BaseException:
             self._restore()
             raise
@@ -496,17 +579,13 @@ class SoftAdjoint:
         self._restore()
 
     def _restore(self) -> None:
-        stack = _stack()
-        if self in stack:
-            stack.remove(self)
+        # The stack of the thread that entered: removing there is right even if another thread exits the context.
+        if self._stack is not None and self in self._stack:
+            self._stack.remove(self)
         if self._state == "patched":
             _remove_functional_patches()
-        while self._saved:
-            module, had_own, forward = self._saved.pop()
-            if had_own:
-                module.__dict__["forward"] = forward
-            else:
-                module.__dict__.pop("forward", None)
+        while self._acquired:
+            _release(self._acquired.pop())
         self._state = "closed"
 
 
