@@ -7,7 +7,10 @@ went and which containers were tuples or had integer keys, so :func:`unflatten_s
 :func:`save_state` / :func:`load_state` store both in one safetensors file (the skeleton in its metadata).
 
 Writes go to a temporary file in the destination directory, are fsynced, then renamed over the target with
-``os.replace``: a crash mid-write leaves the old file intact, never a truncated one.
+``os.replace``: a crash mid-write leaves the old file intact, never a truncated one. Temporary files are named
+``.<target name>.<random>.tmp`` (:func:`stale_temporaries` finds those a killed writer left) and created with the
+ordinary permissions, i.e. ``0o666`` less the process umask (``0o644`` under the usual ``022``), as the final file
+would be by a plain ``open``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -26,14 +30,18 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 __all__ = [
+    "TMP_SUFFIX",
     "atomic_write",
     "flatten_state",
+    "fresh_dir",
+    "fsync_dir",
     "load_json",
     "load_safetensors",
     "load_state",
     "save_json",
     "save_safetensors",
     "save_state",
+    "stale_temporaries",
     "unflatten_state",
 ]
 
@@ -43,27 +51,70 @@ _SKELETON_KEY = "attr_engine.state_skeleton"
 _WIDEN_TO_INT64 = {"uint16", "uint32", "uint64"}
 
 
+TMP_SUFFIX = ".tmp"
+
+
+def _unique_name(directory: Path, prefix: str) -> Path:
+    return directory / f"{prefix}{secrets.token_hex(4)}{TMP_SUFFIX}"
+
+
 @contextlib.contextmanager
 def _atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; on success fsync it and rename it over ``path``."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    while True:
+        tmp = _unique_name(target.parent, f".{target.name}.")
+        try:
+            # Mode 0o666 filtered by the umask, like open(): tempfile.mkstemp would make every output 0600.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        break
+    mode = stat.S_IMODE(tmp.stat().st_mode)
     try:
         yield tmp
+        # A writer that replaces the file (safetensors' save_file writes 0600) gets the umask's mode back.
+        os.chmod(tmp, mode)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
 
 
-def _fsync_dir(directory: Path) -> None:
-    # The rename is only durable once the directory entry is flushed; not every platform allows opening a directory.
+def fresh_dir(parent: str | os.PathLike[str], prefix: str) -> Path:
+    """Create a new empty directory ``parent/<prefix><random>.tmp`` with the ordinary (umask) permissions."""
+    root = Path(parent)
+    root.mkdir(parents=True, exist_ok=True)
+    while True:
+        path = _unique_name(root, prefix)
+        try:
+            path.mkdir(mode=0o777)
+        except FileExistsError:
+            continue
+        return path
+
+
+def stale_temporaries(directory: str | os.PathLike[str]) -> list[Path]:
+    """Temporary files :func:`atomic_write` (or a save) left in ``directory`` and below when its process was killed.
+
+    Only names of the form ``.<name>.<8 hex digits>.tmp`` count, so no user file is ever matched.
+    """
+    found = []
+    for p in Path(directory).rglob(f".*{TMP_SUFFIX}"):
+        stem = p.name[: -len(TMP_SUFFIX)]
+        _, dot, token = stem.rpartition(".")
+        if dot and len(token) == 8 and all(c in "0123456789abcdef" for c in token) and p.is_file():
+            found.append(p)
+    return sorted(found)
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Flush a directory entry (a rename in it) to disk, where the platform allows opening a directory."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:

@@ -1,6 +1,8 @@
 """Pickle-free persistence: safetensors/JSON round trips, atomic writes, clear errors, nested training state."""
 
+import os
 import random
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -10,12 +12,14 @@ import torch
 from attr_engine.checkpoint import (
     atomic_write,
     flatten_state,
+    fresh_dir,
     load_json,
     load_safetensors,
     load_state,
     save_json,
     save_safetensors,
     save_state,
+    stale_temporaries,
     unflatten_state,
 )
 
@@ -83,6 +87,40 @@ def test_atomic_write_keeps_old_file_when_writer_fails(tmp_path: Path) -> None:
     assert path.read_bytes() == b"second"
     with pytest.raises(ValueError, match="mode"):
         atomic_write(path, "a").__enter__()
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for a test and restore it afterwards."""
+    old = os.umask(0o022)
+    try:
+        yield lambda mask: os.umask(mask)
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077, 0o002])
+def test_atomic_outputs_respect_the_umask(tmp_path: Path, umask, mask: int) -> None:
+    """Issue #10.16: every atomically written file used to be created 0600 whatever the umask."""
+    umask(mask)
+    with atomic_write(tmp_path / "a.bin") as f:
+        f.write(b"x")
+    save_json({"a": 1}, tmp_path / "b.json")
+    save_safetensors({"t": torch.zeros(2)}, tmp_path / "c.safetensors")
+    for name in ("a.bin", "b.json", "c.safetensors"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~mask, name
+    d = fresh_dir(tmp_path, ".d.")
+    assert stat.S_IMODE(d.stat().st_mode) == 0o777 & ~mask and d.name.endswith(".tmp")
+
+
+def test_stale_temporaries_match_only_what_a_killed_writer_leaves(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    torn = [tmp_path / ".a.npy.0123abcd.tmp", tmp_path / "sub" / ".b.png.deadbeef.tmp"]
+    for p in torn:
+        p.write_bytes(b"torn")
+    for name in ("notes.tmp", ".hidden.tmp", ".a.npy.xyz.tmp", "a.npy"):
+        (tmp_path / name).write_bytes(b"mine")
+    assert stale_temporaries(tmp_path) == sorted(torn)
 
 
 def test_json_round_trip_and_corrupt_file(tmp_path: Path) -> None:
