@@ -198,6 +198,73 @@ def test_checkpoint_resume_is_exact(tmp_path):
     assert AHA.load(tmp_path, colour_classifier()).steps_trained == 12
 
 
+def _killed_while_checkpointing(out: str) -> None:
+    """Train with a checkpoint every 3 steps and die like SIGKILL (no cleanup) while writing the step-6 weights."""
+    import attr_engine.aha.model as model_module
+
+    torch.set_num_threads(1)
+    real_save = model_module.save_safetensors
+
+    def save(tensors, path, metadata=None):
+        if Path(path).name == model_module.WEIGHTS_FILE and (metadata or {}).get("steps_trained") == "6":
+            os._exit(9)  # after trainer.safetensors of step 6 is in place, before its weights
+        real_save(tensors, path, metadata)
+
+    model_module.save_safetensors = save
+    x, y = colour_images(8)
+    aha = AHA(colour_classifier(), AHAConfig(**FAST, fraction_sampling="random"))
+    aha.fit(_Pairs(x, y), epochs=3, batch_size=2, progress=False, checkpoint_dir=out, checkpoint_every=3)
+
+
+def test_a_kill_while_checkpointing_leaves_a_resumable_directory(tmp_path):
+    """Issue #10.2: a kill between the trainer state and the weights used to make --resume refuse forever."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the killed process: reductions then add up in the same order
+    try:
+        _kill_and_resume(tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _kill_and_resume(tmp_path: Path) -> None:
+    x, y = colour_images(8)
+    cfg = AHAConfig(**FAST, fraction_sampling="random")
+    reference = AHA(colour_classifier(), cfg)
+    reference.fit(_Pairs(x, y), epochs=3, batch_size=2, progress=False)
+
+    proc = mp.get_context("spawn").Process(target=_killed_while_checkpointing, args=(str(tmp_path),))
+    proc.start()
+    proc.join(timeout=240)
+    assert proc.exitcode == 9
+    assert AHA.load(tmp_path, colour_classifier()).steps_trained == 3  # the last whole checkpoint
+
+    resumed = AHA(colour_classifier(), cfg)
+    resumed.fit(_Pairs(x, y), epochs=3, batch_size=2, progress=False, checkpoint_dir=tmp_path, resume=tmp_path)
+    want, got = _weights(reference), _weights(resumed)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=0, rtol=0, msg=k)
+    assert AHA.load(tmp_path, colour_classifier()).steps_trained == 12
+    leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert leftovers == []  # the torn temporary directory was removed
+
+
+def test_checkpoints_keep_the_last_two_whole_directories_and_a_pointer(tmp_path):
+    from attr_engine.aha.model import checkpoint_dir
+
+    x, y = colour_images(8)
+    aha = AHA(colour_classifier(), AHAConfig(**FAST))
+    aha.fit(_Pairs(x, y), epochs=2, batch_size=2, progress=False, checkpoint_dir=tmp_path, checkpoint_every=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step-00000006", "step-00000008"]
+    assert all(sorted(q.name for q in (tmp_path / "checkpoints" / n).iterdir()) == [
+        "config.json", "explainer.safetensors", "trainer.safetensors"] for n in names)  # fmt: skip
+    assert checkpoint_dir(tmp_path) == tmp_path / "checkpoints" / "step-00000008"
+    # A pointer may only name a step directory of its own checkpoint, never another file.
+    (tmp_path / "config.json").write_text('{"checkpoint": "../elsewhere"}')
+    with pytest.raises(ValueError, match="must name a checkpoints/step-N directory"):
+        AHA.load(tmp_path, colour_classifier())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

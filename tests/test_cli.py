@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from attr_engine.aha.model import checkpoint_dir
 from attr_engine.checkpoint import load_safetensors
 from attr_engine.classifier import save_classifier
 from attr_engine.cli import explain as explain_cli
@@ -86,7 +87,7 @@ def test_demo_quick_writes_the_report_and_is_reproducible(tmp_path, capsys):
         for name in ("report.md", "overlays.png", "curves.png", "leaderboard.csv", "results.json"):
             assert (out / name).is_file() and (out / name).stat().st_size > 0, name
         assert (out / "checkpoints" / "classifier.safetensors").is_file()
-        assert (out / "checkpoints" / "aha" / "explainer.safetensors").is_file()
+        assert (checkpoint_dir(out / "checkpoints" / "aha") / "explainer.safetensors").is_file()
         results.append(json.loads((out / "results.json").read_text()))
     report = (tmp_path / "a" / "report.md").read_text()
     for method in ("AHA", "AHA (T=1)", "Soft pullback", "Grad-CAM"):

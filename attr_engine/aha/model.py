@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,62 @@ from kernels._validate import check_tensor
 _FORMAT = "attr_engine.aha/1"
 WEIGHTS_FILE = "explainer.safetensors"
 CONFIG_FILE = "config.json"
+# Training checkpoints: OUT/checkpoints/step-<8 digits>/ each hold a whole checkpoint; OUT/config.json points at one.
+CHECKPOINTS_DIR = "checkpoints"
+POINTER_KEY = "checkpoint"
+_STEP_DIR = re.compile(r"step-(\d{8,})")
+
+
+def step_dirs(path: str | os.PathLike[str]) -> list[Path]:
+    """Training checkpoint directories ``path/checkpoints/step-N`` that hold weights and a config, newest first.
+
+    A step directory is written under a temporary name and renamed into place whole, so one that exists is complete
+    unless its files were damaged afterwards (callers that load it still check).
+    """
+    root = Path(path) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        match = _STEP_DIR.fullmatch(d.name)
+        if match and d.is_dir() and (d / WEIGHTS_FILE).is_file() and (d / CONFIG_FILE).is_file():
+            found.append((int(match.group(1)), d))
+    return [d for _, d in sorted(found, reverse=True)]
+
+
+def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
+    """The directory whose weights :meth:`AHA.load` reads for ``path``.
+
+    ``path`` is either what :meth:`AHA.save` wrote (weights and config side by side) or a training output directory,
+    whose ``config.json`` names the current step directory (the pointer, switched last). A pointer to a missing or
+    incomplete step directory falls back to the newest complete one.
+
+    Raises:
+        FileNotFoundError: ``path`` holds no checkpoint.
+        ValueError: the pointer is not a step directory under ``path/checkpoints`` (a checkpoint may only point
+            inside itself).
+    """
+    src = Path(path)
+    if not src.is_dir():
+        raise FileNotFoundError(f"AHA checkpoint directory not found: {src}")
+    top = src / CONFIG_FILE
+    pointer = None
+    if top.is_file():
+        meta = load_json(top)
+        pointer = meta.get(POINTER_KEY) if isinstance(meta, dict) else None
+        if pointer is None and (src / WEIGHTS_FILE).is_file():
+            return src
+    if pointer is not None:
+        parts = Path(pointer).parts if isinstance(pointer, str) else ()
+        if len(parts) != 2 or parts[0] != CHECKPOINTS_DIR or not _STEP_DIR.fullmatch(parts[1]):
+            raise ValueError(f"{top}: {POINTER_KEY!r} must name a {CHECKPOINTS_DIR}/step-N directory, got {pointer!r}")
+        target = src / pointer
+        if (target / WEIGHTS_FILE).is_file() and (target / CONFIG_FILE).is_file():
+            return target
+    newest = step_dirs(src)
+    if newest:
+        return newest[0]
+    raise FileNotFoundError(f"no AHA checkpoint in {src} (no {CONFIG_FILE} with {WEIGHTS_FILE}, no {CHECKPOINTS_DIR}/)")
 
 
 def classifier_fingerprint(classifier: Classifier) -> str:
@@ -236,21 +293,23 @@ class AHA(nn.Module):
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], classifier: Classifier) -> AHA:
-        """Rebuild an explainer saved by :meth:`save` (or a training checkpoint) for ``classifier``.
+        """Rebuild an explainer saved by :meth:`save` (or a training output directory) for ``classifier``.
+
+        A training directory loads the checkpoint its ``config.json`` points at (see :func:`checkpoint_dir`).
 
         Raises:
             FileNotFoundError: the directory or one of its files is missing.
             ValueError: the files are corrupt, of another format, inconsistent with each other, or were made for
                 a different classifier.
         """
-        src = Path(path)
-        if not src.is_dir():
-            raise FileNotFoundError(f"AHA checkpoint directory not found: {src}")
+        src = checkpoint_dir(path)
         meta = load_json(src / CONFIG_FILE)
         if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
             raise ValueError(f"{src / CONFIG_FILE} is not an AHA checkpoint config (format {_FORMAT})")
         state, weights_meta = load_safetensors(src / WEIGHTS_FILE, device=classifier.norm_mean.device)
-        if weights_meta.get("classifier") != meta.get("classifier"):
+        steps = str(meta.get("steps_trained", 0))
+        same_step = weights_meta.get("steps_trained", steps) == steps
+        if weights_meta.get("classifier") != meta.get("classifier") or not same_step:
             raise ValueError(f"{src}: weights and config belong to different checkpoints (torn write?)")
         expected = classifier_fingerprint(classifier)
         if meta["classifier"] != expected:
@@ -281,4 +340,4 @@ def _as_generator(generator: torch.Generator | int) -> torch.Generator:
     return torch.Generator().manual_seed(int(generator))
 
 
-__all__ = ["AHA", "classifier_fingerprint"]
+__all__ = ["AHA", "checkpoint_dir", "classifier_fingerprint", "step_dirs"]

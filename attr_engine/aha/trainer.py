@@ -10,15 +10,21 @@ exists, each rank takes every world-th example of the epoch's permutation, ``bat
 the decoder is wrapped in DistributedDataParallel (the classifier and backbone are frozen). Rank 0 writes the
 checkpoints.
 
-Checkpoint directory layout (all files written atomically; ``config.json`` last, so a directory with a config is
-complete): ``explainer.safetensors`` (decoder weights), ``config.json`` (AHAConfig and provenance), and
-``trainer.safetensors`` (optimizer, scheduler and RNG state plus the position in the data, pickle-free).
+Checkpoint directory layout: each checkpoint is a directory ``OUT/checkpoints/step-<8 digits>/`` holding
+``explainer.safetensors`` (decoder weights), ``config.json`` (AHAConfig and provenance) and ``trainer.safetensors``
+(optimizer, scheduler and RNG state plus the position in the data, pickle-free). It is written under a temporary
+name and renamed into place whole, then ``OUT/config.json`` (the same config plus a pointer to that directory) is
+switched atomically, then older step directories are removed (the previous one is kept). A kill at any moment
+therefore leaves the previous checkpoint intact and loadable: :meth:`AHA.load` follows the pointer, and resuming
+takes the newest complete step directory (stale temporary directories are removed).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,8 +36,8 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from attr_engine.aha.loss import soft_auc_loss
-from attr_engine.aha.model import AHA, CONFIG_FILE, WEIGHTS_FILE
-from attr_engine.checkpoint import load_state, save_state
+from attr_engine.aha.model import AHA, CHECKPOINTS_DIR, CONFIG_FILE, POINTER_KEY, WEIGHTS_FILE, step_dirs
+from attr_engine.checkpoint import fresh_dir, fsync_dir, load_state, save_json, save_state
 from attr_engine.imageops import reference_image, scaled_blur
 
 TRAINER_FILE = "trainer.safetensors"
@@ -92,8 +98,11 @@ def fit(
     # one a single process would get on the global batch. Only the Gumbel noise is decorrelated per rank.
     gen = torch.Generator().manual_seed(cfg.seed)
     step = 0
+    # Step directories this run may keep: older ones (another run's, or superseded) go once a newer one is in place.
+    lineage: list[Path] = []
     if resume is not None:
-        step = _load_trainer_state(aha, Path(resume), optimizer, scheduler, gen)
+        step, resumed_from = _load_trainer_state(aha, Path(resume), optimizer, scheduler, gen)
+        lineage.append(resumed_from)
     model: torch.nn.Module = decoder
     if world > 1:
         model = DistributedDataParallel(decoder, device_ids=[device.index] if device.type == "cuda" else None)
@@ -120,11 +129,11 @@ def fit(
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", dele=f"{stats['deletion']:.3f}",
                                 ins=f"{stats['insertion']:.3f}")  # fmt: skip
                 if checkpoint_dir is not None and checkpoint_every and step % checkpoint_every == 0 and step < total:
-                    _save_checkpoint(aha, Path(checkpoint_dir), optimizer, scheduler, gen, step, rank, world)
+                    _save_checkpoint(aha, Path(checkpoint_dir), optimizer, scheduler, gen, step, rank, world, lineage)
                 if step >= total:
                     break
         if checkpoint_dir is not None:
-            _save_checkpoint(aha, Path(checkpoint_dir), optimizer, scheduler, gen, step, rank, world)
+            _save_checkpoint(aha, Path(checkpoint_dir), optimizer, scheduler, gen, step, rank, world, lineage)
     finally:
         bar.close()
         decoder.eval()
@@ -271,14 +280,65 @@ def _save_checkpoint(
     step: int,
     rank: int,
     world: int,
+    lineage: list[Path],
 ) -> None:
+    """Write a whole checkpoint directory, rename it into place, switch the pointer, then prune older ones."""
     if rank != 0:  # the ranks hold identical weights, optimizer state and generator state
         return
-    out.mkdir(parents=True, exist_ok=True)
-    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": gen.get_state(),
-             "step": step}  # fmt: skip
-    save_state(state, out / TRAINER_FILE, {"step": str(step), "world": str(world)})
-    aha.save(out)
+    root = out / CHECKPOINTS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    tmp = fresh_dir(root, prefix=f".{final.name}.")
+    try:
+        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": gen.get_state(),
+                 "step": step}  # fmt: skip
+        save_state(state, tmp / TRAINER_FILE, {"step": str(step), "world": str(world)})
+        aha.save(tmp)
+        if final.exists():  # the same step saved again (a resumed run that ends where it started): replace it
+            _discard(final, root)
+        os.replace(tmp, final)  # the commit point of the checkpoint: one directory rename
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    # The pointer is switched only now, so it never names a directory that is not whole.
+    save_json({**aha._metadata(), POINTER_KEY: f"{CHECKPOINTS_DIR}/{final.name}"}, out / CONFIG_FILE)
+    for legacy in (out / WEIGHTS_FILE, out / TRAINER_FILE):
+        legacy.unlink(missing_ok=True)  # a flat checkpoint of an older layout; the pointer supersedes it
+    if final not in lineage:
+        lineage.append(final)
+    keep = set(lineage[-2:])  # the new checkpoint and the one before it
+    del lineage[:-2]
+    for d in root.iterdir():
+        if d not in keep and (d.name.startswith(".step-") or _is_step_dir(d)):
+            _discard(d, root)
+
+
+def _is_step_dir(path: Path) -> bool:
+    return path.is_dir() and path.name.startswith("step-") and path.name[5:].isdigit()
+
+
+def _discard(path: Path, root: Path) -> None:
+    # Renamed out of the step namespace first, so a kill during the removal never leaves a half-deleted step-N.
+    trash = root / f".trash-{path.name}-{os.getpid()}"
+    try:
+        os.replace(path, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _resume_candidates(src: Path) -> list[Path]:
+    """Directories that may hold a whole training checkpoint, newest first (an older flat layout last)."""
+    candidates = [d for d in step_dirs(src) if (d / TRAINER_FILE).is_file()]
+    if (src / TRAINER_FILE).is_file() and (src / WEIGHTS_FILE).is_file():
+        candidates.append(src)
+    return candidates
+
+
+def has_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds a training checkpoint that :func:`fit` could resume from."""
+    return bool(_resume_candidates(Path(path)))
 
 
 def _load_trainer_state(
@@ -287,21 +347,39 @@ def _load_trainer_state(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     gen: torch.Generator,
-) -> int:
-    if not (src / CONFIG_FILE).is_file() or not (src / WEIGHTS_FILE).is_file():
+) -> tuple[int, Path]:
+    """Load the newest complete checkpoint under ``src``; returns the step it ends at and its directory."""
+    candidates = _resume_candidates(src)
+    if not candidates:
         raise FileNotFoundError(f"no AHA checkpoint to resume in {src}")
-    loaded = AHA.load(src, aha.classifier)
+    errors: list[str] = []
+    for d in candidates:
+        try:
+            loaded = _read_checkpoint(aha, d)
+        except (ValueError, FileNotFoundError) as err:
+            errors.append(str(err))
+            continue
+        if errors:
+            warnings.warn(f"resuming from {d}: newer checkpoint(s) unusable: {'; '.join(errors)}", stacklevel=3)
+        decoder_state, state = loaded
+        aha.decoder.load_state_dict(decoder_state)
+        aha.steps_trained = int(state["step"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        gen.set_state(state["rng"].contiguous())
+        return int(state["step"]), d
+    raise ValueError(f"no usable AHA checkpoint to resume in {src}: {'; '.join(errors)}")
+
+
+def _read_checkpoint(aha: AHA, d: Path) -> tuple[dict[str, torch.Tensor], Any]:
+    # AHA.load of a step directory reads that directory itself (it holds weights and config side by side).
+    loaded = AHA.load(d, aha.classifier)
     if loaded.config != aha.config:
-        raise ValueError(f"{src} was trained with a different AHAConfig; resume with the same configuration")
-    state, meta = load_state(src / TRAINER_FILE)
-    if int(meta.get("step", -1)) != loaded.steps_trained:
-        raise ValueError(f"{src}: trainer state (step {meta.get('step')}) and weights disagree (torn checkpoint?)")
-    aha.decoder.load_state_dict(loaded.decoder.state_dict())
-    aha.steps_trained = loaded.steps_trained
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    gen.set_state(state["rng"].contiguous())
-    return int(state["step"])
+        raise ValueError(f"{d} was trained with a different AHAConfig; resume with the same configuration")
+    state, meta = load_state(d / TRAINER_FILE)
+    if int(meta.get("step", -1)) != loaded.steps_trained or int(state["step"]) != loaded.steps_trained:
+        raise ValueError(f"{d}: trainer state (step {meta.get('step')}) and weights disagree (torn checkpoint?)")
+    return loaded.decoder.state_dict(), state
 
 
 def _check_positive_int(value: Any, name: str) -> None:

@@ -320,7 +320,8 @@ def _write_report(
         "## Files",
         "",
         "- `checkpoints/classifier.safetensors`: the classifier (`--classifier` of explain / evaluate / train-aha)",
-        "- `checkpoints/aha/`: the AHA explainer (`--aha`); `trainer.safetensors` lets `train-aha --resume` go on",
+        "- `checkpoints/aha/`: the AHA explainer (`--aha`); its whole training checkpoints (`checkpoints/step-N/`) "
+        "let `train-aha --resume` go on",
         "- `leaderboard.csv`, `results.json`: the numbers",
         "",
         f"Reproduce: `{command}` (same seed, same thread count: same checkpoints and scores).",

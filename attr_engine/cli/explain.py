@@ -157,11 +157,11 @@ def _settings(args: argparse.Namespace, method: str, options: dict[str, Any], cl
         "classifier": classifier_fingerprint(classifier),
     }
     if method == "aha":
-        from attr_engine.aha.model import WEIGHTS_FILE
+        from attr_engine.aha.model import WEIGHTS_FILE, checkpoint_dir
 
         # The explainer's identity is its weights, not its path: a moved checkpoint still matches, a retrained not.
         digest = hashlib.sha256()
-        with open(Path(args.aha) / WEIGHTS_FILE, "rb") as f:
+        with open(checkpoint_dir(args.aha) / WEIGHTS_FILE, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
         settings["aha"] = digest.hexdigest()[:16]

@@ -231,8 +231,8 @@ def aha_config_from_args(args: argparse.Namespace) -> Any:
 
 def run_train_aha(args: argparse.Namespace) -> int:
     from attr_engine.aha import AHA
-    from attr_engine.aha.model import CONFIG_FILE
-    from attr_engine.aha.trainer import TRAINER_FILE
+    from attr_engine.aha.model import CHECKPOINTS_DIR, CONFIG_FILE
+    from attr_engine.aha.trainer import has_checkpoint
     from attr_engine.distributed import process_rank
 
     for flag in ("epochs", "batch_size", "max_steps", "checkpoint_every", "num_images"):
@@ -241,10 +241,12 @@ def run_train_aha(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     config = aha_config_from_args(args)
     out = check_writable_dir(args.out)
-    has_checkpoint = (out / CONFIG_FILE).is_file() and (out / TRAINER_FILE).is_file()
-    if (out / CONFIG_FILE).exists() and not (args.resume or args.overwrite):
+    resumable = has_checkpoint(out)
+    holds = resumable or (out / CONFIG_FILE).exists() or (out / CHECKPOINTS_DIR).exists()
+    if holds and not (args.resume or args.overwrite):
         raise UsageError(f"{out} already holds an AHA checkpoint; pass --resume to continue or --overwrite")
-    resume = out if args.resume and has_checkpoint and not args.overwrite else None
+    # Resuming takes the newest complete checkpoint in OUT (a torn newer one, from a kill, is passed over).
+    resume = out if args.resume and resumable and not args.overwrite else None
     if args.resume and resume is None and rank == 0:
         print(f"no checkpoint to resume in {out}; starting from scratch")
 
