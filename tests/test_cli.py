@@ -297,3 +297,98 @@ def test_user_mistakes_are_one_line_without_traceback(checkpoint, tmp_path, caps
         assert main(command) == status
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and err[0].startswith("attr-engine explain: error:"), err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reliability (issue #10): no mixed outputs, settings recorded only with a map, torn files redone, one exit rule
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _summary(capsys) -> str:
+    return capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_interrupted_overwrite_with_another_method_never_mixes_maps(checkpoint, tmp_path, monkeypatch, capsys):
+    """Issue #10.3: the rerun used to report every map done while most were still the old method's."""
+    src, out, clean = tmp_path / "images", tmp_path / "maps", tmp_path / "clean"
+    names = _images(src, [f"img{i}.png" for i in range(6)])
+    assert _explain(checkpoint, src, out) == 0  # gradient maps
+    real_write, calls = explain_cli._write_map, []
+
+    def interrupted(amap, path, fmt, meta):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real_write(amap, path, fmt, meta)
+
+    monkeypatch.setattr(explain_cli, "_write_map", interrupted)
+    assert _explain(checkpoint, src, out, "--overwrite", "--method", "saliency") == 130
+    monkeypatch.setattr(explain_cli, "_write_map", real_write)
+    capsys.readouterr()
+    assert _explain(checkpoint, src, out, "--method", "saliency") == 0
+    summary = _summary(capsys)
+    assert "4 saliency map(s) written" in summary and "2 already done" in summary, summary
+    assert _explain(checkpoint, src, clean, "--method", "saliency") == 0
+    for name in names:
+        npy = Path(name).with_suffix(".npy")
+        np.testing.assert_array_equal(np.load(out / npy), np.load(clean / npy), err_msg=name)
+    assert json.loads((out / "explain.json").read_text())["method"] == "saliency"
+
+
+@pytest.mark.parametrize("target", ["-1", "99999", "6"])
+def test_a_class_the_classifier_lacks_is_refused_up_front_and_leaves_no_settings(checkpoint, tmp_path, target, capsys):
+    """Issue #10.14: --target -1 / 99999 used to fail at the first batch (rc 1) and leave a blocking explain.json."""
+    src, out = tmp_path / "images", tmp_path / "maps"
+    _images(src, ["a.png", "b.png"])
+    assert _explain(checkpoint, src, out, "--target", target) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--target {target} is not a class of this classifier (0 to 5)" in err[0]
+    assert not (out / "explain.json").exists()
+    assert _explain(checkpoint, src, out, "--target", "5") == 0  # the corrected rerun is not blocked
+    assert json.loads((out / "explain.json").read_text())["target"] == "5"
+
+
+def test_a_run_that_fails_before_its_first_map_records_no_settings(checkpoint, tmp_path, monkeypatch, capsys):
+    src, out = tmp_path / "images", tmp_path / "maps"
+    _images(src, ["a.png", "b.png"])
+
+    def broken(x, target=None):
+        raise ValueError("the explainer broke")
+
+    real_build = explain_cli.build_explainer
+
+    def build(*args, **kwargs):
+        explainer = real_build(*args, **kwargs)
+        explainer.attribute = broken
+        return explainer
+
+    monkeypatch.setattr(explain_cli, "build_explainer", build)
+    assert _explain(checkpoint, src, out) == 1  # a failure while running
+    assert "the explainer broke" in capsys.readouterr().err
+    assert not (out / "explain.json").exists()
+    monkeypatch.undo()
+    assert _explain(checkpoint, src, out, "--method", "saliency") == 0  # another method is not refused
+
+
+def test_stale_temporaries_are_removed_and_damaged_maps_redone(checkpoint, tmp_path, capsys):
+    """Issue #10.15: .tmp files of a killed run stayed for ever and zero-byte or truncated maps counted as done."""
+    src, out = tmp_path / "images", tmp_path / "maps"
+    _images(src, [f"d/img{i}.png" for i in range(5)])
+    assert _explain(checkpoint, src, out, "--png") == 0
+    good = (out / "d" / "img0.npy").read_bytes()
+    (out / "d" / "img1.npy").write_bytes(b"")  # zero bytes
+    (out / "d" / "img2.npy").write_bytes(good[: len(good) // 2])  # truncated
+    overlay = (out / "d" / "img3.overlay.png").read_bytes()
+    (out / "d" / "img3.overlay.png").write_bytes(overlay[: len(overlay) - 40])  # truncated overlay
+    stale = [out / "d" / ".img4.npy.0a1b2c3d.tmp", out / "d" / ".img4.overlay.png.deadbeef.tmp"]
+    for path in stale:
+        path.write_bytes(b"torn")
+    (out / "d" / "notes.tmp").write_text("the user's own file")
+    capsys.readouterr()
+    assert _explain(checkpoint, src, out, "--png") == 0
+    summary = _summary(capsys)
+    assert "3 gradient map(s) written" in summary and "2 already done" in summary, summary
+    assert not any(p.exists() for p in stale) and (out / "d" / "notes.tmp").is_file()
+    for i in range(5):
+        assert np.load(out / "d" / f"img{i}.npy").shape == (32, 32)
+        Image.open(out / "d" / f"img{i}.overlay.png").verify()

@@ -1,10 +1,17 @@
 """``explain``: attribution maps for an image file, a folder or an ImageFolder tree, resumable and shardable.
 
 Every input ``root/a/b.jpg`` gets ``OUT/a/b.npy`` (or ``.safetensors``) and, with ``--png``, ``OUT/a/b.overlay.png``.
-An input counts as done when all its outputs exist; every output is written atomically (temporary file, then
-rename), so an output that exists is complete, a killed run leaves nothing half-written, and running the same
-command again does only what is missing. ``OUT/explain.json`` records the settings the maps were made with; a later
-run with other settings is refused instead of silently mixing maps (``--overwrite`` redoes everything).
+Every output is written atomically (temporary file, then rename), so a killed run leaves nothing half-written, and
+running the same command again does only what is missing. An input counts as done when its outputs exist, read back
+as valid files of the expected shape, *and* the journal says they were made with the current settings: after each
+input's outputs are in place, a line naming them and a digest of the settings is appended to
+``OUT/_manifest/rank<R>-of-<N>.jsonl``. So an interrupted ``--overwrite`` with other settings never passes old maps
+off as new ones, and an output damaged after the fact is redone. Temporary files a killed run left next to this
+process's outputs are removed on start.
+
+``OUT/explain.json`` records the settings once the first map of a run exists (a run that fails before leaves no
+record to block a corrected rerun); a later run with other settings is refused instead of silently mixing maps
+(``--overwrite`` redoes everything).
 
 Under ``torchrun --nproc_per_node=N -m attr_engine explain ...`` (or with ``RANK`` / ``WORLD_SIZE`` set by any
 launcher) every process lists the same inputs and takes its round-robin share (:mod:`attr_engine.distributed`), so no
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import sys
 import time
 from collections import Counter
@@ -42,6 +50,7 @@ from attr_engine.cli._common import (
 
 SETTINGS_FILE = "explain.json"
 MANIFEST_DIR = "_manifest"
+JOURNAL_SUFFIX = ".jsonl"
 FORMATS = ("npy", "safetensors")
 
 
@@ -169,20 +178,91 @@ def _settings(args: argparse.Namespace, method: str, options: dict[str, Any], cl
     return settings
 
 
-def _check_settings(out: Path, settings: dict[str, Any], overwrite: bool, rank: int) -> None:
-    from attr_engine.checkpoint import load_json, save_json
+def _check_settings(out: Path, settings: dict[str, Any], overwrite: bool) -> None:
+    """Refuse to add maps made with other settings to ``out`` (unless ``overwrite``); nothing is written here."""
+    from attr_engine.checkpoint import load_json
 
     path = out / SETTINGS_FILE
     if path.is_file() and not overwrite:
-        previous = load_json(path)
+        try:
+            previous = load_json(path)
+        except ValueError:
+            previous = None  # unreadable: the journal still tells which maps match these settings
+        if not isinstance(previous, dict):
+            return
         changed = [k for k in settings if previous.get(k) != settings[k]]
         if changed:
             diff = ", ".join(f"{k} {previous.get(k)!r} -> {settings[k]!r}" for k in changed)
             raise UsageError(
                 f"{out} holds maps made with other settings ({diff}); use another --out, or --overwrite to redo them"
             )
-    elif rank == 0:
-        save_json(settings, path)
+
+
+def settings_digest(settings: dict[str, Any]) -> str:
+    """A short hash of the settings, recorded with every output in the journal."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_journal(out: Path) -> dict[str, str]:
+    """``{map output: settings digest}`` from every journal under ``out`` (the newest entry per output wins).
+
+    A torn last line (a kill during the append) or a malformed one is ignored: its output is simply redone.
+    """
+    newest: dict[str, tuple[int, str]] = {}
+    for path in sorted((out / MANIFEST_DIR).glob(f"*{JOURNAL_SUFFIX}")):
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        for line in lines:
+            try:
+                entry = json.loads(line)
+                key, digest, stamp = entry["output"], entry["digest"], int(entry["time_ns"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            if isinstance(key, str) and isinstance(digest, str) and stamp >= newest.get(key, (-1, ""))[0]:
+                newest[key] = (stamp, digest)
+    return {key: digest for key, (_, digest) in newest.items()}
+
+
+def valid_output(path: Path, fmt: str, size: int) -> bool:
+    """Whether ``path`` reads back as a complete map (``fmt``) of ``size x size``, or a complete PNG (``"png"``)."""
+    if not path.is_file():
+        return False
+    try:
+        if fmt == "npy":
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+            return arr.shape == (size, size) and arr.dtype == np.float32
+        if fmt == "safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                return "map" in f.keys() and tuple(f.get_slice("map").get_shape()) == (size, size)
+        from PIL import Image
+
+        with Image.open(path) as im:
+            im.verify()  # reads every chunk and checks its CRC: a truncated or damaged file fails
+        return True
+    except Exception:  # any failure to read it back means "not a usable output"
+        return False
+
+
+def _remove_stale_temporaries(out: Path, items: list[Item], rank: int, world: int) -> int:
+    """Delete temporaries a killed run left for this process's outputs (never another live process's)."""
+    from attr_engine.checkpoint import TMP_SUFFIX, stale_temporaries
+
+    mine = {out / item.map_file for item in items} | {out / item.png_file for item in items}
+    mine.add(out / MANIFEST_DIR / f"rank{rank}-of-{world}.json")
+    if world == 1:
+        mine.add(out / SETTINGS_FILE)  # with other processes about, one of them may be writing it right now
+    removed = 0
+    for tmp in stale_temporaries(out):
+        # .<target name>.<8 hex digits>.tmp -> <target name>
+        target = tmp.with_name(tmp.name[1 : -len(TMP_SUFFIX)].rsplit(".", 1)[0])
+        if target in mine:
+            tmp.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 def _target_tensor(spec: str, items: list[Item]) -> torch.Tensor | None:
@@ -238,13 +318,26 @@ def run_explain(args: argparse.Namespace) -> int:
     explainer = build_explainer(
         method, classifier, aha_dir=args.aha, refine_steps=args.refine_steps, seed=args.seed, options=options
     )
+    num_classes = classifier.num_classes
+    if args.target not in ("pred", "label") and not 0 <= int(args.target) < num_classes:
+        raise UsageError(f"--target {args.target} is not a class of this classifier (0 to {num_classes - 1})")
+    if args.target == "label" and any(item.label >= num_classes for item in items):
+        raise UsageError(f"--target label: the tree has more class folders than the classifier's {num_classes} classes")
     out = check_writable_dir(out)
-    _check_settings(out, _settings(args, method, options, classifier, img_size), args.overwrite, rank)
+    settings = _settings(args, method, options, classifier, img_size)
+    _check_settings(out, settings, args.overwrite)
+    digest = settings_digest(settings)
 
     mine = shard(items, rank, world)
+    _remove_stale_temporaries(out, mine, rank, world)
+    journal = {} if args.overwrite else read_journal(out)
 
     def done(item: Item) -> bool:
-        return (out / item.map_file).is_file() and (not args.png or (out / item.png_file).is_file())
+        if journal.get(item.map_file.as_posix()) != digest:
+            return False  # missing, or made with other settings (an interrupted --overwrite)
+        if not valid_output(out / item.map_file, args.format, img_size):
+            return False
+        return not args.png or valid_output(out / item.png_file, "png", img_size)
 
     finished = [False] * len(mine) if args.overwrite else [done(item) for item in mine]
     todo = [item for item, f in zip(mine, finished, strict=True) if not f]
@@ -261,7 +354,10 @@ def run_explain(args: argparse.Namespace) -> int:
     bar = tqdm(total=len(todo), desc=f"explain [{rank}/{world}]" if world > 1 else "explain", unit="img",
                disable=args.no_progress or not todo, dynamic_ncols=True)  # fmt: skip
     torch.manual_seed(args.seed)
-    with bar:
+    recorded = False
+    journal_path = out / MANIFEST_DIR / f"rank{rank}-of-{world}{JOURNAL_SUFFIX}"
+    journal_path.parent.mkdir(parents=True, exist_ok=True)
+    with bar, open(journal_path, "a", encoding="utf-8") as journal_file:
         for batch in loader:
             good = [(item, image) for item, image, _ in batch if image is not None]
             for item, _, error in batch:
@@ -281,6 +377,14 @@ def run_explain(args: argparse.Namespace) -> int:
                     _write_map(amap.contiguous(), out / item.map_file, args.format, meta)
                     if args.png:
                         save_overlay(image, amap, out / item.png_file)
+                    # One line per finished input, after its files are in place: a kill before it redoes the input.
+                    line = {"output": item.map_file.as_posix(), "digest": digest, "time_ns": time.time_ns()}
+                    journal_file.write(json.dumps(line) + "\n")
+                    journal_file.flush()
+                    if not recorded:
+                        # Recorded once a map exists: a run that fails before leaves nothing to block a rerun.
+                        save_json(settings, out / SETTINGS_FILE)
+                        recorded = True
                     written.append({"input": item.name, "output": item.map_file.as_posix(), "target": t})
             bar.update(len(batch))
 
