@@ -156,6 +156,29 @@ def test_smoothgrad_is_seeded_and_leaves_the_global_rng_alone() -> None:
     assert not torch.allclose(SmoothGrad(clf, n_samples=3, seed=2).attribute(x, 0), a)
 
 
+def test_smoothgrad_map_of_an_image_does_not_depend_on_its_batch_or_position() -> None:
+    """Issue #10.6: the noise used to be drawn for the whole batch, so a map changed with --batch-size and resumes."""
+    clf = tiny_convnet()
+    x = images(8, 16, seed=3)
+    target = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    sg = SmoothGrad(clf, n_samples=5, batch_size=2, seed=7)
+    batched = sg.attribute(x, target)
+    alone = torch.cat([sg.attribute(x[i : i + 1], target[i : i + 1]) for i in range(8)])
+    torch.testing.assert_close(alone, batched, atol=1e-6, rtol=1e-5)
+    order = torch.tensor([5, 2, 7, 0, 1, 3, 6, 4])
+    torch.testing.assert_close(sg.attribute(x[order], target[order]), batched[order], atol=1e-6, rtol=1e-5)
+    chunked = SmoothGrad(clf, n_samples=5, batch_size=5, seed=7).attribute(x, target)
+    torch.testing.assert_close(chunked, batched, atol=1e-6, rtol=1e-5)
+
+
+def test_smoothgrad_of_a_linear_model_is_the_weight_magnitude() -> None:
+    clf = linear_classifier()
+    x, y = images(2, 8, seed=1), torch.tensor([1, 2])
+    weight = clf.model.weight.detach() / clf.norm_std  # d logit / d pixel, whatever the noise
+    expected = weight[y].abs().amax(dim=1)
+    torch.testing.assert_close(SmoothGrad(clf, n_samples=3).attribute(x, y), expected, **tol("baselines", FP32))
+
+
 def test_grad_cam_cnn_equals_captum_layer_grad_cam(resnet) -> None:
     x, y = images(2, 32, seed=6), torch.tensor([0, 3])
     layer = resnet.model.layer4

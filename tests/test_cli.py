@@ -392,3 +392,16 @@ def test_stale_temporaries_are_removed_and_damaged_maps_redone(checkpoint, tmp_p
     for i in range(5):
         assert np.load(out / "d" / f"img{i}.npy").shape == (32, 32)
         Image.open(out / "d" / f"img{i}.overlay.png").verify()
+
+
+def test_smoothgrad_maps_do_not_depend_on_the_batch_size(checkpoint, tmp_path):
+    """Issue #10.6: through explain, a SmoothGrad map changed with --batch-size (and so with a resumed run)."""
+    src = tmp_path / "images"
+    names = _images(src, [f"img{i}.png" for i in range(8)])
+    maps = {}
+    for size in ("1", "8"):
+        out = tmp_path / f"b{size}"
+        args = ["explain", str(src), "--classifier", str(checkpoint), "--out", str(out), "--no-progress"]
+        assert main([*args, "--method", "smoothgrad", "--option", "n_samples=3", "--batch-size", size]) == 0
+        maps[size] = np.stack([np.load(out / Path(n).with_suffix(".npy")) for n in names])
+    np.testing.assert_allclose(maps["1"], maps["8"], rtol=1e-5, atol=1e-6)

@@ -9,7 +9,7 @@ Each reduces Captum's per-channel attribution to one value per pixel in the way 
 | saliency | ``Saliency(abs=True)`` | max over channels of ``|grad|`` (Simonyan et al. 2014) |
 | gradient-x-input | ``InputXGradient`` | channel sum (the attributions add up, as in a Taylor term) |
 | integrated-gradients | ``IntegratedGradients`` | channel sum |
-| smoothgrad | ``NoiseTunnel(Saliency(abs=True))`` | max over channels of the mean ``|grad|`` under noise |
+| smoothgrad | as ``NoiseTunnel(Saliency(abs=True))``, noise per image | max over channels of the mean ``|grad|`` |
 | occlusion | ``Occlusion`` | channel mean (the window spans all channels, so they are equal) |
 
 Gradients are taken of the target *logit* (Captum's convention).
@@ -17,13 +17,15 @@ Gradients are taken of the target *logit* (Captum's convention).
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import nn
 
 from attr_engine.baselines.base import Explainer, import_captum
 from kernels._validate import check_int_at_least, check_positive
 
-__all__ = ["Gradient", "GradientXInput", "IntegratedGradients", "Occlusion", "Saliency", "SmoothGrad"]
+__all__ = ["Gradient", "GradientXInput", "IntegratedGradients", "Occlusion", "Saliency", "SmoothGrad", "image_seeds"]
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
@@ -114,15 +116,35 @@ class IntegratedGradients(Explainer):
         return attr.sum(dim=1)
 
 
+def image_seeds(x: torch.Tensor, seed: int) -> list[int]:
+    """One 63-bit seed per image of ``x (B, C, H, W)``, from ``seed`` and the image's bytes (dtype, shape, values).
+
+    Noise drawn from these depends on nothing but the run seed and the image itself: not on the batch it lands in,
+    its position there, or how far an interrupted run had got.
+    """
+    host = x.detach().to("cpu").contiguous()
+    seeds = []
+    for image in host:
+        digest = hashlib.sha256(f"{int(seed)}/{image.dtype}/{tuple(image.shape)}/".encode())
+        digest.update(image.numpy().tobytes() if image.dtype != torch.bfloat16 else image.float().numpy().tobytes())
+        seeds.append(int.from_bytes(digest.digest()[:8], "little") >> 1)
+    return seeds
+
+
 class SmoothGrad(Explainer):
     """SmoothGrad (Smilkov et al. 2017): mean absolute gradient under Gaussian input noise, max over channels.
+
+    ``map = max_c mean_s |d logit_t / dx (x + noise_s)|`` with ``noise_s ~ N(0, noise_std^2)``, as Captum's
+    ``NoiseTunnel(Saliency(abs=True))`` computes it. Each image's noise comes from its own generator, seeded from
+    ``seed`` and the image's content (:func:`image_seeds`), so an image gets the same map whatever batch it is in,
+    wherever it sits there, and in a resumed run; the global RNG is never touched.
 
     Args:
         classifier: the explained classifier.
         n_samples: noisy copies per image.
         noise_std: noise standard deviation in [0, 1] pixel units (0.15 = 15 % of the range, the paper's advice).
-        batch_size: noisy copies per call (Captum's ``nt_samples_batch_size``).
-        seed: the noise is drawn from a fixed seed (the global RNG state is restored), so maps are reproducible.
+        batch_size: noisy copies of each image per classifier call.
+        seed: the run seed the per-image noise is derived from.
     """
 
     name = "smoothgrad"
@@ -140,24 +162,34 @@ class SmoothGrad(Explainer):
         self.n_samples = check_int_at_least(n_samples, "n_samples", 1)
         self.noise_std = check_positive(noise_std, "noise_std")
         self.batch_size = check_int_at_least(batch_size, "batch_size", 1)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
         self.seed = seed
 
     def _attribute(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        captum = import_captum()
-        tunnel = captum.NoiseTunnel(captum.Saliency(self.classifier))
-        devices = [x.device] if x.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.seed)
-            attr = tunnel.attribute(
-                _leaf(x),
-                nt_type="smoothgrad",
-                nt_samples=self.n_samples,
-                nt_samples_batch_size=self.batch_size,
-                stdevs=self.noise_std,
-                target=target,
-                abs=True,
-            )
-        return attr.amax(dim=1)
+        # (B, S, C, H, W) noise, one generator per image, drawn in full before any chunking so the chunk size
+        # (batch_size) cannot change which noise an image gets either.
+        noise = torch.stack(
+            [
+                torch.randn(
+                    (self.n_samples, *x.shape[1:]),
+                    generator=torch.Generator(device=x.device).manual_seed(s),
+                    device=x.device,
+                    dtype=x.dtype,
+                )
+                for s in image_seeds(x, self.seed)
+            ]
+        ).mul_(self.noise_std)
+        total = torch.zeros_like(x)
+        for lo in range(0, self.n_samples, self.batch_size):
+            chunk = noise[:, lo : lo + self.batch_size]
+            k = chunk.shape[1]
+            noisy = (x.detach()[:, None] + chunk).flatten(0, 1).requires_grad_(True)
+            logits = self.classifier(noisy)
+            picked = logits.gather(1, target.repeat_interleave(k)[:, None]).sum()
+            (grad,) = torch.autograd.grad(picked, noisy)
+            total += grad.abs().view(x.shape[0], k, *x.shape[1:]).sum(dim=1)
+        return (total / self.n_samples).amax(dim=1)
 
 
 class Occlusion(Explainer):
