@@ -8,10 +8,12 @@ BatchNorm/dropout never change behaviour between the forward passes an explanati
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import timm
@@ -21,7 +23,7 @@ from torch import nn
 from attr_engine.checkpoint import load_safetensors, save_safetensors
 from kernels._validate import check_tensor
 
-__all__ = ["Classifier", "load_classifier", "resolve_targets", "save_classifier"]
+__all__ = ["Classifier", "eval_mode", "load_classifier", "resolve_targets", "save_classifier"]
 
 # Marks a safetensors file written by save_classifier; its metadata can rebuild the architecture.
 _CHECKPOINT_FORMAT = "attr_engine.classifier/1"
@@ -383,3 +385,38 @@ def resolve_targets(
     if bool((t < 0).any()) or (upper is not None and bool((t >= upper).any())):
         raise ValueError(f"target classes must lie in [0, {upper if upper is not None else 'K'}), got {t.tolist()}")
     return t.long()
+
+
+# id(model) -> [open eval_mode blocks, the model, its modules' own training flags]: shared by every thread, so one
+# thread's exit never puts a model back in training mode while another thread is still explaining with it.
+_EVAL_USERS: dict[int, list[Any]] = {}
+_EVAL_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Run a block with every submodule of ``model`` in eval mode, then give each its own training flag back.
+
+    Attribution must not change the model it explains: in training mode BatchNorm would update its running
+    statistics and dropout would randomise every pass. Flags are set directly (not through ``.train()``, which
+    subclasses may override), so the model's state dict and modes after the block are exactly those before it.
+    Nested and concurrent blocks on one model are counted: the flags come back when the last one ends.
+    """
+    key = id(model)
+    with _EVAL_LOCK:
+        entry = _EVAL_USERS.get(key)
+        if entry is None:
+            flags = [(m, m.training) for m in model.modules()]
+            entry = _EVAL_USERS[key] = [0, model, flags]
+            for m, _ in flags:
+                m.training = False
+        entry[0] += 1
+    try:
+        yield model
+    finally:
+        with _EVAL_LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _EVAL_USERS[key]
+                for m, flag in entry[2]:
+                    m.training = flag

@@ -179,6 +179,24 @@ def test_smoothgrad_of_a_linear_model_is_the_weight_magnitude() -> None:
     torch.testing.assert_close(SmoothGrad(clf, n_samples=3).attribute(x, y), expected, **tol("baselines", FP32))
 
 
+@pytest.mark.parametrize("name", ["gradient", "saliency", "gradient-x-input", "integrated-gradients", "smoothgrad"])
+def test_gradient_baselines_leave_a_raw_training_mode_model_bit_identical(name: str) -> None:
+    """Issue #10.7: a raw model in training mode had its BatchNorm statistics updated and ran dropout."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+        torch.nn.Flatten(), torch.nn.Linear(4 * 8 * 8, 3),
+    ).train()  # fmt: skip
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    x = images(2, 8, seed=2)
+    explainer = get_explainer(name, net, **FAST_KWARGS.get(name, {}))
+    maps = explainer.attribute(x, 1)
+    assert all(m.training for m in net.modules())
+    assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
+    net.eval()
+    torch.testing.assert_close(maps, explainer.attribute(x, 1), **tol("baselines", FP32))
+
+
 def test_grad_cam_cnn_equals_captum_layer_grad_cam(resnet) -> None:
     x, y = images(2, 32, seed=6), torch.tensor([0, 3])
     layer = resnet.model.layer4

@@ -180,3 +180,21 @@ def test_input_and_config_errors(clf: Classifier) -> None:
             PullbackConfig(**bad)
     with pytest.raises(ValueError, match="PullbackConfig"):
         SemanticPullback(clf, config={"steps": 3})
+
+
+def test_a_raw_model_in_training_mode_is_explained_in_eval_mode_and_left_as_it_was() -> None:
+    """Issue #10.7: BatchNorm running statistics were updated and dropout ran during attribution."""
+    torch.manual_seed(0)
+    net = nn.Sequential(SmallNet(), nn.Dropout(0.5)).double()
+    net.train()
+    net[0].conv.eval()  # a mixed set of flags must come back exactly as it was
+    flags = {name: m.training for name, m in net.named_modules()}
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    x = torch.rand(2, 3, 8, 8, dtype=F64)
+    sp = SemanticPullback(net)
+    maps = {method: sp.attribute(x, 1, method=method, steps=2) for method in ("soft", "ascent")}
+    assert {name: m.training for name, m in net.named_modules()} == flags
+    assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())  # incl. num_batches_tracked
+    net.eval()
+    for method, got in maps.items():  # the same maps as the model in eval mode: no dropout, affine BatchNorm
+        torch.testing.assert_close(got, sp.attribute(x, 1, method=method, steps=2), **TOL)

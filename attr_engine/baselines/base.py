@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attr_engine.classifier import Classifier, resolve_targets
+from attr_engine.classifier import Classifier, eval_mode, resolve_targets
 from kernels._validate import check_tensor
 
 __all__ = ["Explainer", "FunctionExplainer", "import_captum", "resolve_targets"]
@@ -67,9 +67,11 @@ class Explainer:
         check_tensor(x, "x", ndim=4, finite=True)
         if x.shape[1] != 3 or x.shape[0] == 0:
             raise ValueError(f"x must be a non-empty RGB batch (B, 3, H, W), got shape {tuple(x.shape)}")
-        target = resolve_targets(self.classifier, x, target)
-        with torch.set_grad_enabled(self.needs_grad or torch.is_grad_enabled()):
-            maps = self._attribute(x, target)
+        # Eval mode for the call: a raw model in training mode would update BatchNorm statistics and run dropout.
+        with eval_mode(self.classifier):
+            target = resolve_targets(self.classifier, x, target)
+            with torch.set_grad_enabled(self.needs_grad or torch.is_grad_enabled()):
+                maps = self._attribute(x, target)
         if maps.shape != (x.shape[0], *x.shape[2:]):
             raise RuntimeError(f"{self.name} produced maps of shape {tuple(maps.shape)} for images {tuple(x.shape)}")
         return maps.detach().float()

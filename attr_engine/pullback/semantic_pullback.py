@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from attr_engine.classifier import resolve_targets
+from attr_engine.classifier import eval_mode, resolve_targets
 from attr_engine.pullback.soft_adjoint import soft_adjoint
 from kernels._validate import check_int_at_least, check_positive, check_tensor
 
@@ -93,7 +93,8 @@ class SemanticPullback:
     Args:
         classifier: maps ``(B, C, H, W)`` images in [0, 1] to ``(B, K)`` logits, e.g. a
             :class:`~attr_engine.classifier.Classifier` (which normalises inside). Its parameters receive no
-            gradient; a model in training mode should be put in eval mode first (BatchNorm must be affine).
+            gradient; a model in training mode runs each call in eval mode (BatchNorm affine, no dropout) and gets
+            its own modes back, so its state dict is bit-identical after any attribution.
         config: :class:`PullbackConfig`; None uses the paper's defaults.
 
     Example:
@@ -157,7 +158,8 @@ class SemanticPullback:
 
         # A clone outside inference mode turns an inference tensor into one autograd can use.
         x0 = x.detach().clone()
-        with torch.enable_grad():
+        # Eval mode for the call (BatchNorm affine, no dropout), the caller's modes restored afterwards.
+        with torch.enable_grad(), eval_mode(self.classifier):
             # The class range is checked against the logits in _soft_pullback.
             target_idx = resolve_targets(self.classifier, x0, target, check_range=False)
             with soft_adjoint(self.classifier, **self.config.soft_adjoint_kwargs()):
