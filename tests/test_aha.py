@@ -15,6 +15,7 @@ from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.loss import soft_auc_loss, trapezoid_auc
 from attr_engine.classifier import Classifier, load_classifier
 from attr_engine.metrics import deletion_insertion
+from attr_engine.pullback import SemanticPullback
 from tests.aha_helpers import ColourNet, colour_classifier, colour_images
 
 FAST = {"n_fractions": 6, "n_iters": 8, "decoder_dim": 16, "class_dim": 8, "grid_range": (2, 6)}
@@ -334,6 +335,28 @@ def test_save_load_round_trip_and_mismatch(tmp_path):
         AHA.load(tmp_path, clf)
 
 
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (1.7, "integer class indices"),
+        (True, "integer class indices, got booleans"),
+        (torch.tensor([0.0, 1.0]), "integer class indices"),
+        (torch.tensor([True, False]), "booleans"),
+        ([0, 2], r"target classes must lie in \[0, 2\)"),
+        ("cat", "target must be an int"),
+    ],
+)
+def test_aha_targets_are_resolved_like_every_other_method(target, message):
+    """Issue #10.8: AHA truncated 1.7, True and float tensors to classes instead of refusing them."""
+    aha = AHA(colour_classifier(), AHAConfig(**FAST))
+    x, _ = colour_images(2)
+    with pytest.raises(ValueError, match=message):
+        aha.attribute(x, target)
+    sp = SemanticPullback(aha.classifier)
+    with pytest.raises(ValueError, match=message):  # the same resolver, the same message
+        sp.attribute(x, target)
+
+
 def test_bad_inputs_are_named():
     aha = AHA(colour_classifier(), AHAConfig(**FAST))
     x, _ = colour_images(2)
@@ -345,7 +368,7 @@ def test_bad_inputs_are_named():
         aha.attribute(bad)
     with pytest.raises(ValueError, match="target classes must lie in"):
         aha.attribute(x, target=5)
-    with pytest.raises(ValueError, match="target must be an int or have shape"):
+    with pytest.raises(ValueError, match="target must be an int or have one entry per image"):
         aha.attribute(x, target=torch.tensor([0, 1, 0]))
     with pytest.raises(ValueError, match="refine_steps"):
         aha.attribute(x, refine_steps=-1)

@@ -145,8 +145,8 @@ def test_model_is_left_as_it_was(clf: Classifier) -> None:
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(target=4), r"target entries must be in \[0, 4\)"),
-        (dict(target=[0, -1]), r"target entries must be in \[0, 4\)"),
+        (dict(target=4), r"target classes must lie in \[0, 4\)"),
+        (dict(target=[0, -1]), r"target classes must lie in \[0, 4\)"),
         (dict(target=[0, 1, 2]), "one entry per image"),
         (dict(target=torch.tensor([0.0, 1.0])), "integer class indices"),
         (dict(target=True), "integer class indices"),

@@ -6,6 +6,7 @@ import copy
 import hashlib
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from attr_engine.aha.config import AHAConfig
 from attr_engine.aha.explainer import Decoder, FeatureBackbone, build_backbone
 from attr_engine.aha.loss import soft_auc_loss
 from attr_engine.checkpoint import load_json, load_safetensors, save_json, save_safetensors
-from attr_engine.classifier import Classifier
+from attr_engine.classifier import Classifier, resolve_targets
 from attr_engine.imageops import reference_image
 from kernels._validate import check_tensor
 
@@ -150,7 +151,7 @@ class AHA(nn.Module):
     def attribute(
         self,
         x: torch.Tensor,
-        target: torch.Tensor | int | None = None,
+        target: int | Sequence[int] | torch.Tensor | None = None,
         refine_steps: int = 0,
         *,
         generator: torch.Generator | int | None = None,
@@ -159,7 +160,9 @@ class AHA(nn.Module):
 
         Args:
             x: (B, 3, H, W) images in [0, 1].
-            target: (B,) or int class to explain; ``None`` explains the predicted class.
+            target: class to explain: an int (every image), a sequence or ``(B,)`` integer tensor, or ``None`` for the
+                predicted class; resolved as every method does (:func:`~attr_engine.classifier.resolve_targets`):
+                booleans, floats, a wrong length or a class out of range are a ValueError.
             refine_steps: T test-time refinement steps: a copy of the decoder takes T Adam steps (``config.refine_lr``)
                 on this batch's soft deletion/insertion objective, each at a grid size and offset drawn from the
                 training range; costs T soft-AUC evaluations (2 x n_fractions classifier passes per image each).
@@ -173,24 +176,11 @@ class AHA(nn.Module):
             raise ValueError(f"x must be (B, 3, H, W), got shape {tuple(x.shape)}")
         if isinstance(refine_steps, bool) or not isinstance(refine_steps, int) or refine_steps < 0:
             raise ValueError(f"refine_steps must be an int >= 0, got {refine_steps!r}")
-        target = self._resolve_target(x, target)
+        target = resolve_targets(self.classifier, x, target)
         if refine_steps:
             return self._refine(x, target, refine_steps, generator)
         with torch.no_grad():
             return self(x, target).float()
-
-    def _resolve_target(self, x: torch.Tensor, target: torch.Tensor | int | None) -> torch.Tensor:
-        if target is None:
-            with torch.no_grad():
-                return self.classifier(x).argmax(dim=1)
-        target = torch.as_tensor(target, device=x.device).long().reshape(-1)
-        if target.numel() == 1:
-            target = target.expand(x.shape[0])
-        if target.shape != (x.shape[0],):
-            raise ValueError(f"target must be an int or have shape ({x.shape[0]},), got {tuple(target.shape)}")
-        if bool(((target < 0) | (target >= self.classifier.num_classes)).any()):
-            raise ValueError(f"target classes must lie in [0, {self.classifier.num_classes}), got {target.tolist()}")
-        return target
 
     def _refine(
         self,

@@ -175,7 +175,7 @@ class SemanticPullback:
         logits = self.classifier(x)
         num_classes = logits.shape[-1]
         if int(target.min()) < 0 or int(target.max()) >= num_classes:
-            raise ValueError(f"target entries must be in [0, {num_classes}), got {target.tolist()}")
+            raise ValueError(f"target classes must lie in [0, {num_classes}), got {target.tolist()}")
         # Samples are independent (eval mode), so the gradient of the sum is the per-sample gradient.
         selected = logits.gather(1, target.view(-1, 1)).sum()
         (grad,) = torch.autograd.grad(selected, x)
