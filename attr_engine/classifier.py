@@ -23,7 +23,7 @@ from torch import nn
 from attr_engine.checkpoint import load_safetensors, save_safetensors
 from kernels._validate import check_tensor
 
-__all__ = ["Classifier", "eval_mode", "load_classifier", "resolve_targets", "save_classifier"]
+__all__ = ["Classifier", "check_model_name", "eval_mode", "load_classifier", "resolve_targets", "save_classifier"]
 
 # Marks a safetensors file written by save_classifier; its metadata can rebuild the architecture.
 _CHECKPOINT_FORMAT = "attr_engine.classifier/1"
@@ -211,6 +211,20 @@ def _unknown_model_error(name: str) -> ValueError:
     return ValueError(f"unknown timm model {name!r}.{hint} See timm.list_models() for all names.")
 
 
+def check_model_name(name: str) -> bool:
+    """Raise ValueError (with close matches) unless ``name`` is a timm model; True for hub / local-dir names.
+
+    ``"hf-hub:org/repo"`` and ``"local-dir:/path"`` names are resolved by timm itself, not from its registry, so
+    they pass here and are only checked when the model is built.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"name must be a timm model name (str), got {type(name).__name__}")
+    external = timm.models.parse_model_name(name)[0] is not None
+    if not external and not timm.is_model(name):
+        raise _unknown_model_error(name)
+    return external
+
+
 def _accepts_img_size(name: str) -> bool:
     # timm marks models whose architecture is tied to the input size (ViT, Swin, ...) with fixed_input_size; those
     # take an img_size kwarg, while CNNs reject it (TypeError) and run at any size anyway.
@@ -246,12 +260,7 @@ def load_classifier(
         ValueError: unknown model name (with close matches), a checkpoint that is corrupt, was written for
             another architecture or does not match it (naming the file).
     """
-    if not isinstance(name, str):
-        raise ValueError(f"name must be a timm model name (str), got {type(name).__name__}")
-    # "hf-hub:org/repo" and "local-dir:/path" names are resolved by timm itself and not in its registry.
-    external = timm.models.parse_model_name(name)[0] is not None
-    if not external and not timm.is_model(name):
-        raise _unknown_model_error(name)
+    external = check_model_name(name)
     if pretrained and checkpoint is not None:
         raise ValueError("pass pretrained=True or checkpoint=..., not both (the checkpoint would overwrite it)")
     if img_size is not None and (isinstance(img_size, bool) or not isinstance(img_size, int) or img_size < 1):

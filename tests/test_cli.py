@@ -269,9 +269,13 @@ def test_bench_engine_table(tmp_path, capsys):
         ("{src} --classifier {ckpt} --method aha", "--method aha needs --aha DIR", 2),
         ("{src} --classifier {ckpt} --method aha --aha {tmp}", "no AHA checkpoint in", 2),
         ("{src} --classifier {tmp}/missing.safetensors", "classifier checkpoint not found", 2),
-        ("{src} --model resnet5O", "unknown timm model 'resnet5O'", 1),
+        ("{src} --model resnet5O", "unknown timm model 'resnet5O'", 2),
         ("{src} --classifier {ckpt} --out {tmp}/file.txt", "is not a directory", 2),
-        ("{tmp}/empty --classifier {ckpt}", "no images with extensions", 1),
+        ("{tmp}/empty --classifier {ckpt}", "no images with extensions", 2),
+        ("{src} --classifier {ckpt} --method rise --option n_masks=0", "n_masks must be", 2),
+        ("{src} --classifier {ckpt} --method rise --option p=2", "p must be in (0, 1)", 2),
+        ("{src} --classifier {ckpt} --method occlusion --option window=-3", "window must be", 2),
+        ("{src} --classifier {ckpt} --target 99999", "--target 99999 is not a class", 2),
         ("{tmp}/bad.png --classifier {ckpt}", "cannot read image", 2),
         ("{tmp}/nothing --classifier {ckpt}", "input not found", 2),
         ("{src} --classifier {ckpt} --out {src}/maps", "lies inside the input folder", 2),
@@ -405,3 +409,34 @@ def test_smoothgrad_maps_do_not_depend_on_the_batch_size(checkpoint, tmp_path):
         assert main([*args, "--method", "smoothgrad", "--option", "n_samples=3", "--batch-size", size]) == 0
         maps[size] = np.stack([np.load(out / Path(n).with_suffix(".npy")) for n in names])
     np.testing.assert_allclose(maps["1"], maps["8"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("command", "status"),
+    [
+        (["train-aha", "--classifier", "{ckpt}", "--num-images", "4", "--batch-size", "8", "--img-size", "32"], 2),
+        (["train-aha", "--classifier", "{ckpt}", "--aha-option", "n_fractions=1", "--img-size", "32"], 2),
+        (["evaluate", "--model", "resnet5O"], 2),
+        (["evaluate", "--classifier", "{ckpt}", "--methods", "rise", "--data", "{tmp}/empty"], 2),
+        (["train-classifier", "--model", "resnet5O", "--num-images", "4", "--epochs", "1"], 2),
+    ],
+)
+def test_exit_status_rule_bad_settings_are_2_before_any_work(checkpoint, tmp_path, capsys, command, status):
+    """Issue #10.17: bad settings found while a command sets up exited 1 where the README promises 2."""
+    (tmp_path / "empty").mkdir()
+    args = [a.format(ckpt=checkpoint, tmp=tmp_path) for a in command] + ["--out", str(tmp_path / "out")]
+    assert main([*args, "--no-progress"]) == status
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error:" in err[0], err
+
+
+def test_exit_status_rule_a_failure_while_running_is_1(checkpoint, tmp_path, monkeypatch, capsys):
+    src, out = tmp_path / "images", tmp_path / "maps"
+    _images(src, ["a.png"])
+
+    def full_disk(amap, path, fmt, meta):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(explain_cli, "_write_map", full_disk)
+    assert _explain(checkpoint, src, out) == 1
+    assert "No space left on device" in capsys.readouterr().err

@@ -5,8 +5,10 @@ Subcommands: ``demo`` (everything end to end on embedded data, no download), ``t
 leaderboard of methods) and ``bench`` (kernel and engine micro-benchmarks).
 
 A user mistake (unknown model or method, missing checkpoint, unreadable image, empty folder, output not writable)
-ends with one line on stderr and a non-zero exit status: 2 for a bad command line or setting, 1 for a failure while
-running. ``--debug`` (or ``ATTR_ENGINE_DEBUG=1``) shows the full traceback instead.
+ends with one line on stderr and a non-zero exit status. One rule decides which: every command first checks its
+command line, config file, model, checkpoints, data, method options and output directory, then starts its work;
+an error before that point exits 2 (a bad command line or setting), an error after it exits 1 (a failure while
+running), and Ctrl-C exits 130. ``--debug`` (or ``ATTR_ENGINE_DEBUG=1``) shows the full traceback instead.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def _message(err: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (the console script passes it to ``sys.exit``)."""
-    from attr_engine.cli._common import UsageError, config_defaults, load_config_file
+    from attr_engine.cli._common import UsageError, config_defaults, is_working, load_config_file, reset_phase
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, commands = build_parser()
@@ -99,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    reset_phase()
     with _one_line_warnings():
         try:
             if args.config:
@@ -119,8 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         except (ValueError, OSError, ImportError) as err:
             # The library reports bad inputs as ValueError naming the culprit, missing files as FileNotFoundError,
-            # permissions as PermissionError: all are the user's to fix, so one line is the whole story.
+            # permissions as PermissionError: all are the user's to fix, so one line is the whole story. Raised
+            # while the command was still checking its settings it is a bad setting (2), later a failure (1).
             if debug:
                 raise
             print(f"{prefix}: error: {_message(err)}", file=sys.stderr)
-            return 1
+            return 1 if is_working() else 2

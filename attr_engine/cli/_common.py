@@ -31,6 +31,7 @@ __all__ = [
     "open_classifier",
     "parse_key_values",
     "resolve_device",
+    "work_started",
 ]
 
 # Small timm configurations that train on a CPU in minutes (attr_engine.train.small_model_config).
@@ -42,6 +43,26 @@ HELD_OUT_SEED = 1_000_003
 
 class UsageError(Exception):
     """A mistake the user can fix (bad flag value, missing file, unknown name): reported as one line, no traceback."""
+
+
+# The exit-status rule (see attr_engine.cli): an error before the command starts its work is the user's setting
+# (status 2), one after it a failure while running (status 1). Each command calls work_started() once its
+# settings, inputs and outputs are checked; main() resets the flag before every command.
+_PHASE = {"working": False}
+
+
+def work_started() -> None:
+    """Mark the end of a command's set-up: from here on an error is a failure while running (exit status 1)."""
+    _PHASE["working"] = True
+
+
+def reset_phase() -> None:
+    _PHASE["working"] = False
+
+
+def is_working() -> bool:
+    """Whether the running command has finished its set-up (see :func:`work_started`)."""
+    return _PHASE["working"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from attr_engine.cli._common import SMALL_MODELS, UsageError, add_device_arg, machine_summary, resolve_device
+from attr_engine.cli._common import (
+    SMALL_MODELS,
+    UsageError,
+    add_device_arg,
+    machine_summary,
+    resolve_device,
+    work_started,
+)
 
 
 def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
@@ -104,6 +111,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.img_size < 32 or (args.model == "small-vit" and args.img_size % 8):
         raise UsageError(f"--img-size must be >= 32 (a multiple of 8 for small-vit), got {args.img_size}")
     device = resolve_device(args.device)
+    work_started()
     status = 0
     if not args.skip_kernels:
         command = [sys.executable, "-m", "kernels.selfcheck", *(["--quick"] if args.quick else [])]

@@ -37,6 +37,7 @@ from attr_engine.cli._common import (
     check_writable_dir,
     machine_summary,
     resolve_device,
+    work_started,
 )
 from attr_engine.cli.scoring import markdown, plain_table, run_leaderboard, write_board
 
@@ -169,6 +170,7 @@ def run_demo(args: argparse.Namespace) -> int:
         torch.set_num_threads(1)
     device = resolve_device(args.device)
     out = check_writable_dir(args.out)
+    work_started()
     ckpt = out / "checkpoints"
     wall = time.perf_counter()
     stages = _Stages(4, args.no_progress)

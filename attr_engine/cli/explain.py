@@ -46,6 +46,7 @@ from attr_engine.cli._common import (
     load_classifier_args,
     parse_key_values,
     resolve_device,
+    work_started,
 )
 
 SETTINGS_FILE = "explain.json"
@@ -353,6 +354,7 @@ def run_explain(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     bar = tqdm(total=len(todo), desc=f"explain [{rank}/{world}]" if world > 1 else "explain", unit="img",
                disable=args.no_progress or not todo, dynamic_ncols=True)  # fmt: skip
+    work_started()
     torch.manual_seed(args.seed)
     recorded = False
     journal_path = out / MANIFEST_DIR / f"rank{rank}-of-{world}{JOURNAL_SUFFIX}"

@@ -18,6 +18,7 @@ from attr_engine.cli._common import (
     check_writable_dir,
     load_classifier_args,
     resolve_device,
+    work_started,
 )
 
 CHEAP_METRICS = ("deletion", "insertion")
@@ -187,6 +188,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     else:
         metrics = [*CHEAP_METRICS, *(MASK_METRICS if has_masks else ())]
 
+    work_started()
     board = run_leaderboard(
         classifier,
         methods,

@@ -19,6 +19,7 @@ from attr_engine.cli._common import (
     open_classifier,
     parse_key_values,
     resolve_device,
+    work_started,
 )
 
 CLASSIFIER_FILE = "classifier.safetensors"
@@ -169,7 +170,14 @@ def run_train_classifier(args: argparse.Namespace) -> int:
         # timm replaces the pretrained head by a fresh one when num_classes differs from the checkpoint's.
         model = open_classifier(args.model, pretrained=True, num_classes=num_classes, img_size=img_size)
     else:
+        from attr_engine.classifier import check_model_name
+
+        try:
+            check_model_name(args.model)  # the name is built into a model only once training starts
+        except ValueError as err:
+            raise UsageError(str(err)) from None
         model = args.model
+    work_started()
     log: list[dict[str, float]] = []
     start = time.perf_counter()
     with tqdm(total=args.epochs, desc="classifier", unit="epoch", disable=args.no_progress, dynamic_ncols=True) as bar:
@@ -257,7 +265,10 @@ def run_train_aha(args: argparse.Namespace) -> int:
         raise UsageError(
             f"the data has {len(data.class_names)} classes but the classifier only {classifier.num_classes}"
         )
+    if len(data) // world < args.batch_size:
+        raise UsageError(f"--batch-size {args.batch_size} is more than the {len(data) // world} images per process")
     aha = AHA(classifier, config, img_size=img_size)
+    work_started()
     start = time.perf_counter()
     history = aha.fit(
         data,
