@@ -150,3 +150,34 @@ def test_image_folder_flat_and_errors(tmp_path: Path) -> None:
         ImageFolderDataset(tmp_path, skip_unreadable=True)
     with pytest.raises(ValueError, match="crop_pct"):
         ImageFolderDataset(tmp_path, img_size=8, crop_pct=0.0)
+
+
+def test_image_folder_reads_16_bit_and_float_images_into_the_unit_range(tmp_path: Path) -> None:
+    """Issue #10.4: a 16-bit greyscale PNG came out all 1.0 (convert("RGB") clips at 255)."""
+    grey16 = (np.arange(12 * 20, dtype=np.uint16).reshape(12, 20) * 273).astype(np.uint16)
+    Image.fromarray(grey16).save(tmp_path / "a16.png")
+    assert Image.open(tmp_path / "a16.png").mode.startswith("I")
+    grey_f = np.linspace(0.0, 1.0, 12 * 20, dtype=np.float32).reshape(12, 20)
+    Image.fromarray(grey_f).save(tmp_path / "b.tif")  # 32-bit float TIFF, mode F
+    ds = ImageFolderDataset(tmp_path)
+    for (image, _), want in zip((ds[0], ds[1]), (grey16 / 65535.0, grey_f), strict=True):
+        assert image.shape == (3, 12, 20) and image.dtype == torch.float32
+        for channel in image:
+            np.testing.assert_allclose(channel.numpy(), want, atol=1e-6)
+    resized = ImageFolderDataset(tmp_path, img_size=8)[0][0]
+    assert resized.shape == (3, 8, 8) and 0.0 <= resized.min() and resized.max() <= 1.0
+    assert 0.2 < resized.mean() < 0.8  # not the white image it used to be
+
+
+def test_images_next_to_class_folders_are_reported_or_kept(image_tree: Path) -> None:
+    """Issue #10.5: images directly in root were dropped without a word when class folders existed."""
+    rng = np.random.default_rng(1)
+    for name in ("top1.png", "top2.png"):
+        _write_image(image_tree / name, rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+    with pytest.warns(UserWarning, match=r"2 image\(s\) directly in .* are in no class folder and are left out"):
+        ds = ImageFolderDataset(image_tree, skip_unreadable=False)
+    assert [p.name for p in ds.unclassified] == ["top1.png", "top2.png"]
+    assert all(label >= 0 for _, label in ds.samples)
+    kept = ImageFolderDataset(image_tree, include_unclassified=True)
+    assert [(p.name, label) for p, label in kept.samples[:2]] == [("top1.png", -1), ("top2.png", -1)]
+    assert len(kept) == len(ds) + 2 and kept.class_names == ds.class_names

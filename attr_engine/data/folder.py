@@ -2,8 +2,9 @@
 
 Two layouts are understood:
 
-- ``root/<class_name>/**/<image>``: one label per subfolder, in sorted folder order (files directly in ``root`` are
-  then ignored, as in torchvision's ImageFolder);
+- ``root/<class_name>/**/<image>``: one label per subfolder, in sorted folder order (images directly in ``root``
+  have no class: they are left out, as in torchvision's ImageFolder, with one warning saying how many, or kept
+  with label ``-1`` when ``include_unclassified=True``, as ``attr-engine explain`` does);
 - ``root/<image>`` with no class subfolders: a flat folder of images to explain, every label ``-1``.
 """
 
@@ -21,6 +22,9 @@ from torch.utils.data import Dataset
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageFolderDataset"]
 
+# Single-channel modes PIL cannot convert to 8-bit RGB without clipping, and the value that maps to 1.0.
+_HIGH_DEPTH_SCALE = {"I;16": 65535.0, "I;16L": 65535.0, "I;16B": 65535.0, "I;16N": 65535.0, "I": 65535.0, "F": 1.0}
+
 IMAGE_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 
 
@@ -37,13 +41,19 @@ class ImageFolderDataset(Dataset):
         skip_unreadable: decode every image up front and drop those that fail, listing them in ``self.skipped``
             (and in one warning). Costs one full decode per file at construction. When False, a bad file raises
             ValueError naming it at the time it is loaded.
+        include_unclassified: in the class layout, keep the images directly in ``root`` with label ``-1`` (listed
+            first) instead of leaving them out with a warning.
 
     Attributes:
         samples: ``[(path, label), ...]`` in a stable, sorted order.
         class_names: subfolder names (empty for a flat folder).
         skipped: ``[(path, reason), ...]`` for files dropped by ``skip_unreadable``.
+        unclassified: images directly in ``root`` of a class layout (left out unless ``include_unclassified``).
 
-    Images are decoded with PIL, EXIF-rotated, and converted to RGB (alpha dropped, greyscale replicated).
+    Images are decoded with PIL, EXIF-rotated, and converted to RGB (alpha dropped, greyscale replicated). 8-bit
+    images map 0..255 to [0, 1]; 16-bit greyscale (PIL modes ``I;16*``, and ``I`` as PIL opens 16-bit PNG/TIFF)
+    maps 0..65535 to [0, 1]; 32-bit float images (mode ``F``, e.g. float TIFF) are read as [0, 1] intensities and
+    clipped to that range. (``convert("RGB")`` would clip 16-bit values at 255 and turn the image white.)
     """
 
     def __init__(
@@ -54,6 +64,7 @@ class ImageFolderDataset(Dataset):
         crop_pct: float = 1.0,
         extensions: Sequence[str] = IMAGE_EXTENSIONS,
         skip_unreadable: bool = False,
+        include_unclassified: bool = False,
     ) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
@@ -72,9 +83,19 @@ class ImageFolderDataset(Dataset):
 
         class_dirs = sorted(d for d in self.root.iterdir() if d.is_dir() and not d.name.startswith("."))
         class_dirs = [d for d in class_dirs if images_under(d, recursive=True)]
+        self.unclassified: list[Path] = []
         if class_dirs:
             self.class_names: tuple[str, ...] = tuple(d.name for d in class_dirs)
             samples = [(p, label) for label, d in enumerate(class_dirs) for p in images_under(d, recursive=True)]
+            self.unclassified = images_under(self.root, recursive=False)
+            if include_unclassified:
+                samples = [(p, -1) for p in self.unclassified] + samples
+            elif self.unclassified:
+                warnings.warn(
+                    f"{len(self.unclassified)} image(s) directly in {self.root} are in no class folder and are left "
+                    f"out (the class layout is root/<class>/<image>)",
+                    stacklevel=2,
+                )
         else:
             self.class_names = ()
             samples = [(p, -1) for p in images_under(self.root, recursive=False)]
@@ -113,17 +134,27 @@ class ImageFolderDataset(Dataset):
         img = self._decode(path)
         if self.img_size is not None:
             img = self._resize_crop(img, self.img_size)
+        if img.mode == "F":  # high bit depth, already scaled to [0, 1] by _decode; bicubic may overshoot: clip
+            grey = torch.from_numpy(np.asarray(img, dtype=np.float32).copy()).clamp_(0.0, 1.0)
+            return grey[None].expand(3, -1, -1).contiguous(), label
         array = np.asarray(img, dtype=np.uint8)
         image = torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255.0)
         return image, label
 
     @staticmethod
     def _decode(path: Path) -> Image.Image:
-        """Fully decode ``path`` to an RGB PIL image; any failure becomes a ValueError naming the file."""
+        """Fully decode ``path`` to an RGB PIL image, or a mode-``F`` greyscale one in [0, 1] for high bit depths.
+
+        Any failure becomes a ValueError naming the file.
+        """
         try:
             with Image.open(path) as im:
                 im.load()
                 im = ImageOps.exif_transpose(im)
+                scale = _HIGH_DEPTH_SCALE.get(im.mode)
+                if scale is not None:
+                    values = np.asarray(im, dtype=np.float32) / scale
+                    return Image.fromarray(np.clip(values, 0.0, 1.0).astype(np.float32))  # mode F
                 return im.convert("RGB")
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
             # PIL reports truncated or foreign files as OSError / UnidentifiedImageError (an OSError) / SyntaxError.
