@@ -440,3 +440,14 @@ def test_exit_status_rule_a_failure_while_running_is_1(checkpoint, tmp_path, mon
     monkeypatch.setattr(explain_cli, "_write_map", full_disk)
     assert _explain(checkpoint, src, out) == 1
     assert "No space left on device" in capsys.readouterr().err
+
+
+def test_explain_writes_maps_for_images_next_to_class_folders(checkpoint, tmp_path, capsys):
+    """Issue #10.5: "4 maps written", not 6, when a folder had both images and class subfolders."""
+    src, out = tmp_path / "images", tmp_path / "maps"
+    names = _images(src, ["top1.png", "top2.png", "cat/a.png", "cat/b.png", "dog/c.png", "dog/d.png"])
+    assert _explain(checkpoint, src, out) == 0
+    assert "6 gradient map(s) written" in _summary(capsys)
+    assert all((out / Path(n).with_suffix(".npy")).is_file() for n in names)
+    assert _explain(checkpoint, src, tmp_path / "labels", "--target", "label") == 2
+    assert "2 image(s) directly in" in capsys.readouterr().err

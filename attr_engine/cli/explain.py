@@ -118,7 +118,8 @@ def list_inputs(src: Path, fmt: str) -> tuple[list[Item], Any]:
     from attr_engine.data import ImageFolderDataset
 
     if src.is_dir():
-        reader = ImageFolderDataset(src)
+        # Images next to class folders are explained too (label -1): nothing under the input is silently dropped.
+        reader = ImageFolderDataset(src, include_unclassified=True)
         rel = [(p.relative_to(src), label) for p, label in reader.samples]
     else:
         # A one-file "folder": the reader lists the parent (cheaply, nothing decoded) and is pointed at the file.
@@ -311,8 +312,14 @@ def run_explain(args: argparse.Namespace) -> int:
     options = parse_key_values(args.option, "--option")
 
     items, reader = list_inputs(src, args.format)
-    if args.target == "label" and any(item.label < 0 for item in items):
+    unlabelled = sum(item.label < 0 for item in items)
+    if args.target == "label" and unlabelled == len(items):
         raise UsageError("--target label needs an ImageFolder tree (one subfolder per class)")
+    if args.target == "label" and unlabelled:
+        raise UsageError(
+            f"--target label: {unlabelled} image(s) directly in {src} are in no class folder; move them into one or "
+            "explain them with another --target"
+        )
     device = resolve_device(args.device)
     classifier = load_classifier_args(args, device, img_size=args.img_size)
     img_size = args.img_size or (classifier.input_size[1] if classifier.input_size else 224)
