@@ -23,7 +23,15 @@ from torch import nn
 from attr_engine.checkpoint import load_safetensors, save_safetensors
 from kernels._validate import check_tensor
 
-__all__ = ["Classifier", "check_model_name", "eval_mode", "load_classifier", "resolve_targets", "save_classifier"]
+__all__ = [
+    "Classifier",
+    "check_model_name",
+    "eval_mode",
+    "input_dtype",
+    "load_classifier",
+    "resolve_targets",
+    "save_classifier",
+]
 
 # Marks a safetensors file written by save_classifier; its metadata can rebuild the architecture.
 _CHECKPOINT_FORMAT = "attr_engine.classifier/1"
@@ -51,6 +59,19 @@ def _model_input_size(model: nn.Module) -> tuple[int, int, int] | None:
     size = cfg.get("input_size")
     if size is not None and len(size) == 3:
         return tuple(int(s) for s in size)  # type: ignore[return-value]
+    return None
+
+
+def input_dtype(model: nn.Module) -> torch.dtype | None:
+    """The floating dtype ``model`` computes in (its first floating parameter, else buffer), or None if it has none.
+
+    Attribution methods cast images to it at their boundary, so fp16 / bf16 / float64 images work with a float32
+    model (and the reverse) instead of failing deep inside with torch's dtype mismatch.
+    """
+    for tensors in (model.parameters(), model.buffers()):
+        for t in tensors:
+            if t.is_floating_point():
+                return t.dtype
     return None
 
 
@@ -182,7 +203,7 @@ class Classifier(nn.Module):
         return (x - self.norm_mean.to(x.dtype)) / self.norm_std.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x: (B, 3, H, W)`` RGB in [0, 1] -> logits ``(B, K)``.
+        """``x: (B, 3, H, W)`` RGB in [0, 1], any floating dtype (cast to the model's) -> logits ``(B, K)``.
 
         Raises:
             ValueError: if ``x`` is not a finite floating-point ``(B, 3, H, W)`` tensor (when ``validate_inputs``).
@@ -191,6 +212,9 @@ class Classifier(nn.Module):
             check_tensor(x, "x", ndim=4, finite=True)
             if x.shape[1] != 3:
                 raise ValueError(f"x must be RGB images (B, 3, H, W), got {x.shape[1]} channels: {tuple(x.shape)}")
+        dtype = input_dtype(self._model)
+        if dtype is not None and x.dtype != dtype:
+            x = x.to(dtype)  # differentiable: the input gradient comes back in the caller's dtype
         logits = self._model(self.normalize(x))
         if logits.ndim != 2:
             raise ValueError(f"the wrapped model must return (B, K) logits, got shape {tuple(logits.shape)}")

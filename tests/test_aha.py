@@ -357,6 +357,19 @@ def test_aha_targets_are_resolved_like_every_other_method(target, message):
         sp.attribute(x, target)
 
 
+@pytest.mark.parametrize("clf_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_aha_runs_on_any_float_dtype_of_images_and_classifier(clf_dtype, dtype):
+    """Issue #10.9: AHA failed on images of another dtype and could not run on a non-float32 classifier."""
+    aha = AHA(colour_classifier().to(clf_dtype), AHAConfig(**FAST))
+    x, _ = colour_images(2)
+    for steps in (0, 1):
+        maps = aha.attribute(x.to(dtype), 0, refine_steps=steps, generator=0)
+        assert maps.shape == (2, 32, 32) and maps.dtype == torch.float32 and torch.isfinite(maps).all()
+    if dtype == torch.float64:
+        torch.testing.assert_close(aha.attribute(x.to(dtype), 0), aha.attribute(x, 0))
+
+
 def test_bad_inputs_are_named():
     aha = AHA(colour_classifier(), AHAConfig(**FAST))
     x, _ = colour_images(2)

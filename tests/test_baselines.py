@@ -197,6 +197,20 @@ def test_gradient_baselines_leave_a_raw_training_mode_model_bit_identical(name: 
     torch.testing.assert_close(maps, explainer.attribute(x, 1), **tol("baselines", FP32))
 
 
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64, torch.float32])
+def test_every_method_takes_images_of_any_float_dtype(model_dtype, dtype) -> None:
+    """Issue #10.9: fp16 / bf16 / float64 images with a float32 model (and the reverse) gave torch's dtype error."""
+    clf = tiny_resnet().to(model_dtype)
+    x = images(2, 32, seed=5)
+    for name in sorted(ALL - {"aha", "attention-rollout"}):
+        explainer = get_explainer(name, clf, **FAST_KWARGS.get(name, {}))
+        maps = explainer.attribute(x.to(dtype), 1)
+        assert maps.shape == (2, 32, 32) and maps.dtype == torch.float32 and torch.isfinite(maps).all(), name
+        if dtype == model_dtype or dtype.itemsize > model_dtype.itemsize:  # the same images after the cast
+            torch.testing.assert_close(maps, explainer.attribute(x.to(model_dtype), 1), msg=name)
+
+
 def test_grad_cam_cnn_equals_captum_layer_grad_cam(resnet) -> None:
     x, y = images(2, 32, seed=6), torch.tensor([0, 3])
     layer = resnet.model.layer4

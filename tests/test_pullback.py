@@ -198,3 +198,15 @@ def test_a_raw_model_in_training_mode_is_explained_in_eval_mode_and_left_as_it_w
     net.eval()
     for method, got in maps.items():  # the same maps as the model in eval mode: no dropout, affine BatchNorm
         torch.testing.assert_close(got, sp.attribute(x, 1, method=method, steps=2), **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_images_of_another_dtype_are_cast_at_the_boundary(clf: Classifier, dtype: torch.dtype) -> None:
+    """Issue #10.9: images whose dtype differed from the classifier's failed with torch's raw dtype error."""
+    x = torch.rand(2, 3, 8, 8, dtype=F64)
+    sp = SemanticPullback(clf)  # a float64 classifier
+    for method in ("soft", "ascent"):
+        got = sp.attribute(x.to(dtype), 1, method=method, steps=2)
+        want = sp.attribute(x.to(dtype).to(F64), 1, method=method, steps=2)
+        assert got.dtype == dtype  # the caller's dtype back
+        torch.testing.assert_close(got, want.to(dtype))

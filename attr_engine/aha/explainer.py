@@ -56,9 +56,12 @@ class FeatureBackbone(nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x: (B, 3, H, W) in [0, 1] -> list of (B, C_l, h_l, w_l) feature maps."""
-        feats = self.model.forward_intermediates(
-            (x - self.mean) / self.std, indices=self.indices, intermediates_only=True
-        )
+        dtype = self.mean.dtype
+        param = next(self.model.parameters(), None)
+        if param is not None and param.is_floating_point():
+            dtype = param.dtype  # images of any dtype run in the backbone's own
+        z = (x.to(dtype) - self.mean.to(dtype)) / self.std.to(dtype)
+        feats = self.model.forward_intermediates(z, indices=self.indices, intermediates_only=True)
         return [f.float() for f in feats]
 
     def channels(self, img_size: tuple[int, int]) -> list[int]:

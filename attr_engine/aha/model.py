@@ -141,8 +141,9 @@ class AHA(nn.Module):
         return self.classifier.norm_mean.device
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Raw maps. x: (B, 3, H, W) in [0, 1]; target: (B,) classes -> (B, H, W)."""
-        return self.decoder(self.backbone(x), x, target)
+        """Raw maps. x: (B, 3, H, W) in [0, 1], any floating dtype; target: (B,) classes -> (B, H, W) float32."""
+        # The backbone casts to its own dtype; the decoder is float32 whatever the classifier's dtype.
+        return self.decoder(self.backbone(x), x.float(), target)
 
     # ------------------------------------------------------------------------------------------------------------
     # Inference
@@ -176,6 +177,9 @@ class AHA(nn.Module):
             raise ValueError(f"x must be (B, 3, H, W), got shape {tuple(x.shape)}")
         if isinstance(refine_steps, bool) or not isinstance(refine_steps, int) or refine_steps < 0:
             raise ValueError(f"refine_steps must be an int >= 0, got {refine_steps!r}")
+        # AHA's decoder works in float32: images of any floating dtype are cast once here (the classifier and the
+        # backbone cast to their own dtype in turn).
+        x = x.float()
         target = resolve_targets(self.classifier, x, target)
         if refine_steps:
             return self._refine(x, target, refine_steps, generator)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attr_engine.classifier import Classifier, eval_mode, resolve_targets
+from attr_engine.classifier import Classifier, eval_mode, input_dtype, resolve_targets
 from kernels._validate import check_tensor
 
 __all__ = ["Explainer", "FunctionExplainer", "import_captum", "resolve_targets"]
@@ -56,7 +56,8 @@ class Explainer:
         """Attribution maps.
 
         Args:
-            x: (B, 3, H, W) images in [0, 1], on the classifier's device.
+            x: (B, 3, H, W) images in [0, 1], on the classifier's device, any floating dtype (cast to the
+                classifier's).
             target: class per image (int, sequence or (B,) tensor); ``None`` explains the predicted class.
 
         Returns:
@@ -67,6 +68,9 @@ class Explainer:
         check_tensor(x, "x", ndim=4, finite=True)
         if x.shape[1] != 3 or x.shape[0] == 0:
             raise ValueError(f"x must be a non-empty RGB batch (B, 3, H, W), got shape {tuple(x.shape)}")
+        dtype = input_dtype(self.classifier)
+        if dtype is not None and x.dtype != dtype:
+            x = x.to(dtype)  # fp16 / bf16 / float64 images and a model of another dtype: cast at the boundary
         # Eval mode for the call: a raw model in training mode would update BatchNorm statistics and run dropout.
         with eval_mode(self.classifier):
             target = resolve_targets(self.classifier, x, target)

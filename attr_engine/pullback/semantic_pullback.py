@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from attr_engine.classifier import eval_mode, resolve_targets
+from attr_engine.classifier import eval_mode, input_dtype, resolve_targets
 from attr_engine.pullback.soft_adjoint import soft_adjoint
 from kernels._validate import check_int_at_least, check_positive, check_tensor
 
@@ -133,7 +133,8 @@ class SemanticPullback:
                 values), ``"norm"`` (L2), or None for the signed per-channel attribution.
 
         Returns:
-            ``(B, H, W)``, or ``(B, C, H, W)`` when ``reduce`` is None; ``x``'s dtype and device. Works inside
+            ``(B, H, W)``, or ``(B, C, H, W)`` when ``reduce`` is None; ``x``'s dtype and device (any floating
+            dtype: the classifier runs in its own, the map is cast back). Works inside
             ``torch.no_grad()`` (gradients are re-enabled internally); the result never requires grad.
 
         Raises:
@@ -156,8 +157,10 @@ class SemanticPullback:
             alpha = self.config.alpha if self.config.alpha is not None else default_alpha(x[0].numel())
         alpha = check_positive(alpha, "alpha")
 
-        # A clone outside inference mode turns an inference tensor into one autograd can use.
-        x0 = x.detach().clone()
+        # A clone outside inference mode turns an inference tensor into one autograd can use; the images are cast
+        # to the classifier's dtype (the map comes back in the caller's).
+        model_dtype = input_dtype(self.classifier) or x.dtype
+        x0 = x.detach().to(model_dtype).clone()
         # Eval mode for the call (BatchNorm affine, no dropout), the caller's modes restored afterwards.
         with torch.enable_grad(), eval_mode(self.classifier):
             # The class range is checked against the logits in _soft_pullback.
@@ -167,7 +170,7 @@ class SemanticPullback:
                     attribution = self._soft_pullback(x0, target_idx)
                 else:
                     attribution = self._ascent(x0, target_idx, steps, alpha)
-        return _reduce_channels(attribution, reduce)
+        return _reduce_channels(attribution, reduce).to(x.dtype)
 
     def _soft_pullback(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Gradient of the target logits at ``x`` under the (already open) soft adjoint: ``(B, C, H, W)``."""
