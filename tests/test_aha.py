@@ -370,6 +370,16 @@ def test_aha_runs_on_any_float_dtype_of_images_and_classifier(clf_dtype, dtype):
         torch.testing.assert_close(aha.attribute(x.to(dtype), 0), aha.attribute(x, 0))
 
 
+def test_aha_on_an_empty_batch_gives_an_empty_result():
+    """Issue #10.10: an empty batch with refinement failed in a reshape."""
+    aha = AHA(colour_classifier(), AHAConfig(**FAST))
+    empty = torch.rand(0, 3, 32, 32)
+    for steps in (0, 2):
+        maps = aha.attribute(empty, refine_steps=steps)
+        assert maps.shape == (0, 32, 32) and maps.dtype == torch.float32
+    assert aha.attribute(empty, 1, refine_steps=1).shape == (0, 32, 32)
+
+
 def test_bad_inputs_are_named():
     aha = AHA(colour_classifier(), AHAConfig(**FAST))
     x, _ = colour_images(2)

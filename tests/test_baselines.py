@@ -307,6 +307,15 @@ def test_adapters_for_quantus_and_captum() -> None:
         adapter.attribute(x, target=y, baselines=0)
 
 
+def test_every_method_returns_an_empty_result_for_an_empty_batch(resnet) -> None:
+    """Issue #10.10: the empty batch is a result, not an error, for every method."""
+    empty = torch.rand(0, 3, 32, 32)
+    for name in sorted(ALL - {"aha", "attention-rollout"}):
+        explainer = get_explainer(name, resnet, **FAST_KWARGS.get(name, {}))
+        assert explainer.attribute(empty).shape == (0, 32, 32), name
+        assert explainer.attribute(empty, 1).shape == (0, 32, 32), name
+
+
 def test_explainer_input_checks() -> None:
     clf = tiny_convnet()
     explainer = Gradient(clf)

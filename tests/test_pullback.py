@@ -210,3 +210,14 @@ def test_images_of_another_dtype_are_cast_at_the_boundary(clf: Classifier, dtype
         want = sp.attribute(x.to(dtype).to(F64), 1, method=method, steps=2)
         assert got.dtype == dtype  # the caller's dtype back
         torch.testing.assert_close(got, want.to(dtype))
+
+
+def test_an_empty_batch_gives_an_empty_result(clf: Classifier) -> None:
+    """Issue #10.10: an empty batch raised IndexError."""
+    sp = SemanticPullback(clf)
+    empty = torch.rand(0, 3, 8, 8, dtype=F64)
+    for method in ("soft", "ascent"):
+        assert sp.attribute(empty, method=method).shape == (0, 8, 8)
+        assert sp.attribute(empty, 1, method=method, reduce=None).shape == (0, 3, 8, 8)
+    with pytest.raises(ValueError, match="integer class indices"):
+        sp.attribute(empty, 1.5)

@@ -180,6 +180,10 @@ class AHA(nn.Module):
         # AHA's decoder works in float32: images of any floating dtype are cast once here (the classifier and the
         # backbone cast to their own dtype in turn).
         x = x.float()
+        if x.shape[0] == 0:  # an empty batch: an empty result (the target still checked), no refinement to run
+            if target is not None:
+                resolve_targets(self.classifier, x, target)
+            return x.new_zeros(0, *x.shape[2:])
         target = resolve_targets(self.classifier, x, target)
         if refine_steps:
             return self._refine(x, target, refine_steps, generator)

@@ -61,13 +61,17 @@ class Explainer:
             target: class per image (int, sequence or (B,) tensor); ``None`` explains the predicted class.
 
         Returns:
-            (B, H, W) float32 maps (higher = more important for the target), detached.
+            (B, H, W) float32 maps (higher = more important for the target), detached; (0, H, W) for an empty batch.
         """
         if torch.is_inference_mode_enabled() and self.needs_grad:
             raise RuntimeError(f"{self.name} needs autograd and cannot run inside torch.inference_mode()")
         check_tensor(x, "x", ndim=4, finite=True)
-        if x.shape[1] != 3 or x.shape[0] == 0:
-            raise ValueError(f"x must be a non-empty RGB batch (B, 3, H, W), got shape {tuple(x.shape)}")
+        if x.shape[1] != 3:
+            raise ValueError(f"x must be an RGB batch (B, 3, H, W), got shape {tuple(x.shape)}")
+        if x.shape[0] == 0:  # an empty batch (the tail of a filtered loader): an empty result, the target still checked
+            if target is not None:
+                resolve_targets(self.classifier, x, target)
+            return torch.zeros(0, *x.shape[2:], dtype=torch.float32, device=x.device)
         dtype = input_dtype(self.classifier)
         if dtype is not None and x.dtype != dtype:
             x = x.to(dtype)  # fp16 / bf16 / float64 images and a model of another dtype: cast at the boundary

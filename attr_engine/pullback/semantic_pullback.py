@@ -154,8 +154,13 @@ class SemanticPullback:
             raise ValueError(f"reduce must be one of {_REDUCTIONS}, got {reduce!r}")
         steps = check_int_at_least(self.config.steps if steps is None else steps, "steps", 1)
         if alpha is None:
-            alpha = self.config.alpha if self.config.alpha is not None else default_alpha(x[0].numel())
+            alpha = self.config.alpha if self.config.alpha is not None else default_alpha(x.shape[1:].numel())
         alpha = check_positive(alpha, "alpha")
+        if x.shape[0] == 0:  # an empty batch: an empty result of the documented shape (the target still checked)
+            if target is not None:
+                resolve_targets(self.classifier, x, target, check_range=False)  # no entries: no range to check
+            empty = x.new_zeros(x.shape)
+            return empty if reduce is None else empty[:, 0]
 
         # A clone outside inference mode turns an inference tensor into one autograd can use; the images are cast
         # to the classifier's dtype (the map comes back in the caller's).
