@@ -380,6 +380,22 @@ def test_aha_on_an_empty_batch_gives_an_empty_result():
     assert aha.attribute(empty, 1, refine_steps=1).shape == (0, 32, 32)
 
 
+def test_refinement_inside_inference_mode_says_what_to_do():
+    """Issue #10.11: refinement inside torch.inference_mode() failed with a cryptic autograd error."""
+    aha = AHA(colour_classifier(), AHAConfig(**FAST))
+    x, _ = colour_images(2)
+    expected = aha.attribute(x, 0, refine_steps=1, generator=0)
+    with torch.inference_mode():
+        x_inf = x.clone()
+        with pytest.raises(RuntimeError, match=r"cannot run inside torch.inference_mode\(\); call it outside"):
+            aha.attribute(x_inf, 0, refine_steps=1)
+        assert aha.attribute(x_inf, 0).shape == (2, 32, 32)  # one forward pass needs no autograd
+    with torch.no_grad():
+        torch.testing.assert_close(aha.attribute(x, 0, refine_steps=1, generator=0), expected)
+    # An inference tensor is fine outside inference mode.
+    torch.testing.assert_close(aha.attribute(x_inf, 0, refine_steps=1, generator=0), expected)
+
+
 def test_bad_inputs_are_named():
     aha = AHA(colour_classifier(), AHAConfig(**FAST))
     x, _ = colour_images(2)

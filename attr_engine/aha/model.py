@@ -170,13 +170,23 @@ class AHA(nn.Module):
             generator: seeds the refinement's grid draws (reproducible refinement).
 
         Returns:
-            (B, H, W) float32 maps; higher = more important for ``target``.
+            (B, H, W) float32 maps; higher = more important for ``target``. Refinement works inside
+            ``torch.no_grad()`` (it enables gradients itself).
+
+        Raises:
+            RuntimeError: refinement inside ``torch.inference_mode()``, where no gradient can be computed.
+            ValueError: bad ``x``, ``target`` or ``refine_steps``.
         """
         check_tensor(x, "x", ndim=4, finite=True)
         if x.shape[1] != 3:
             raise ValueError(f"x must be (B, 3, H, W), got shape {tuple(x.shape)}")
         if isinstance(refine_steps, bool) or not isinstance(refine_steps, int) or refine_steps < 0:
             raise ValueError(f"refine_steps must be an int >= 0, got {refine_steps!r}")
+        if refine_steps and torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "AHA refinement (refine_steps > 0) trains a copy of the decoder, which needs autograd: it cannot run "
+                "inside torch.inference_mode(); call it outside (torch.no_grad() is fine) or use refine_steps=0"
+            )
         # AHA's decoder works in float32: images of any floating dtype are cast once here (the classifier and the
         # backbone cast to their own dtype in turn).
         x = x.float()
@@ -186,7 +196,9 @@ class AHA(nn.Module):
             return x.new_zeros(0, *x.shape[2:])
         target = resolve_targets(self.classifier, x, target)
         if refine_steps:
-            return self._refine(x, target, refine_steps, generator)
+            # A copy made outside inference mode: an inference tensor (made under inference_mode) cannot be saved
+            # for the refinement's backward.
+            return self._refine(x.clone(), target, refine_steps, generator)
         with torch.no_grad():
             return self(x, target).float()
 
