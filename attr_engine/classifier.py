@@ -25,10 +25,12 @@ from kernels._validate import check_tensor
 
 __all__ = [
     "Classifier",
+    "check_device",
     "check_model_name",
     "eval_mode",
     "input_dtype",
     "load_classifier",
+    "model_device",
     "resolve_targets",
     "save_classifier",
 ]
@@ -73,6 +75,34 @@ def input_dtype(model: nn.Module) -> torch.dtype | None:
             if t.is_floating_point():
                 return t.dtype
     return None
+
+
+def model_device(model: nn.Module) -> torch.device | None:
+    """The device of ``model``'s first parameter (else buffer), or None for a model without tensors."""
+    for tensors in (model.parameters(), model.buffers()):
+        for t in tensors:
+            return t.device
+    return None
+
+
+def check_device(x: torch.Tensor, model: nn.Module, name: str = "x") -> None:
+    """Raise a ValueError naming both devices unless ``x`` holds data on ``model``'s device.
+
+    Checked before anything reads values (a finiteness check on a meta tensor would otherwise fail in ``.item()``,
+    and a device mismatch deep inside the first layer).
+    """
+    if not isinstance(x, torch.Tensor):
+        return  # the type is reported by the tensor checks that follow
+    device = model_device(model)
+    if x.device.type == "meta":
+        where = f"; move it to the classifier's device ({device})" if device is not None else ""
+        raise ValueError(f"{name} is on the meta device, which holds no values to explain{where}")
+    if device is not None and device.type == "meta":
+        raise ValueError(f"the classifier is on the meta device (no weights loaded) but {name} is on {x.device}")
+    if device is not None and device != x.device:
+        raise ValueError(
+            f"{name} is on {x.device} but the classifier is on {device}; move one of them, e.g. x.to({str(device)!r})"
+        )
 
 
 class Classifier(nn.Module):
@@ -209,6 +239,7 @@ class Classifier(nn.Module):
             ValueError: if ``x`` is not a finite floating-point ``(B, 3, H, W)`` tensor (when ``validate_inputs``).
         """
         if self.validate_inputs:
+            check_device(x, self)
             check_tensor(x, "x", ndim=4, finite=True)
             if x.shape[1] != 3:
                 raise ValueError(f"x must be RGB images (B, 3, H, W), got {x.shape[1]} channels: {tuple(x.shape)}")

@@ -401,6 +401,8 @@ def test_bad_inputs_are_named():
     x, _ = colour_images(2)
     with pytest.raises(ValueError, match=r"x must be \(B, 3, H, W\)"):
         aha.attribute(x[:, :2])
+    with pytest.raises(ValueError, match=r"x is on the meta device.*\(cpu\)"):  # issue #10.12
+        aha.attribute(torch.empty(2, 3, 32, 32, device="meta"))
     bad = x.clone()
     bad[0, 0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="x contains NaN"):

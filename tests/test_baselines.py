@@ -316,6 +316,26 @@ def test_every_method_returns_an_empty_result_for_an_empty_batch(resnet) -> None
         assert explainer.attribute(empty, 1).shape == (0, 32, 32), name
 
 
+def test_meta_or_mismatched_devices_are_named_in_one_error() -> None:
+    """Issue #10.12: meta-device or mismatched-device inputs failed in .item() instead of naming the devices."""
+    clf = tiny_convnet()
+    x = images(2, 16)
+    meta = torch.empty(2, 3, 16, 16, device="meta")
+    methods = [get_explainer(n, clf, **FAST_KWARGS.get(n, {})) for n in ("gradient", "smoothgrad", "pullback-soft")]
+    for explainer in methods:
+        with pytest.raises(ValueError, match=r"x is on the meta device.*classifier's device \(cpu\)"):
+            explainer.attribute(meta, 0)
+    with pytest.raises(ValueError, match="x is on the meta device"):
+        SemanticPullback(clf).attribute(meta, 0)
+    with pytest.raises(ValueError, match="x is on the meta device"):
+        clf(meta)
+    clf_meta = tiny_convnet().to("meta")
+    with pytest.raises(ValueError, match=r"classifier is on the meta device .* but x is on cpu"):
+        Gradient(clf_meta).attribute(x, 0)
+    with pytest.raises(ValueError, match=r"classifier is on the meta device .* but x is on cpu"):
+        SemanticPullback(clf_meta).attribute(x, 0)
+
+
 def test_explainer_input_checks() -> None:
     clf = tiny_convnet()
     explainer = Gradient(clf)

@@ -18,7 +18,7 @@ from attr_engine.aha.config import AHAConfig
 from attr_engine.aha.explainer import Decoder, FeatureBackbone, build_backbone
 from attr_engine.aha.loss import soft_auc_loss
 from attr_engine.checkpoint import load_json, load_safetensors, save_json, save_safetensors
-from attr_engine.classifier import Classifier, resolve_targets
+from attr_engine.classifier import Classifier, check_device, resolve_targets
 from attr_engine.imageops import reference_image
 from kernels._validate import check_tensor
 
@@ -177,6 +177,7 @@ class AHA(nn.Module):
             RuntimeError: refinement inside ``torch.inference_mode()``, where no gradient can be computed.
             ValueError: bad ``x``, ``target`` or ``refine_steps``.
         """
+        check_device(x, self.classifier)
         check_tensor(x, "x", ndim=4, finite=True)
         if x.shape[1] != 3:
             raise ValueError(f"x must be (B, 3, H, W), got shape {tuple(x.shape)}")

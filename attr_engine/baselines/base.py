@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attr_engine.classifier import Classifier, eval_mode, input_dtype, resolve_targets
+from attr_engine.classifier import Classifier, check_device, eval_mode, input_dtype, resolve_targets
 from kernels._validate import check_tensor
 
 __all__ = ["Explainer", "FunctionExplainer", "import_captum", "resolve_targets"]
@@ -65,6 +65,7 @@ class Explainer:
         """
         if torch.is_inference_mode_enabled() and self.needs_grad:
             raise RuntimeError(f"{self.name} needs autograd and cannot run inside torch.inference_mode()")
+        check_device(x, self.classifier)
         check_tensor(x, "x", ndim=4, finite=True)
         if x.shape[1] != 3:
             raise ValueError(f"x must be an RGB batch (B, 3, H, W), got shape {tuple(x.shape)}")

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from attr_engine.classifier import eval_mode, input_dtype, resolve_targets
+from attr_engine.classifier import check_device, eval_mode, input_dtype, resolve_targets
 from attr_engine.pullback.soft_adjoint import soft_adjoint
 from kernels._validate import check_int_at_least, check_positive, check_tensor
 
@@ -147,6 +147,7 @@ class SemanticPullback:
                 "SemanticPullback.attribute needs autograd and cannot run inside torch.inference_mode(); "
                 "call it outside (torch.no_grad() is fine)"
             )
+        check_device(x, self.classifier)
         check_tensor(x, "x", ndim=4, finite=True)
         if method not in _METHODS:
             raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
