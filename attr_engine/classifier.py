@@ -12,6 +12,7 @@ import contextlib
 import difflib
 import json
 import os
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -37,6 +38,35 @@ __all__ = [
 
 # Marks a safetensors file written by save_classifier; its metadata can rebuild the architecture.
 _CHECKPOINT_FORMAT = "attr_engine.classifier/1"
+# Model kwargs a checkpoint may not set: timm reads files, caches or the network through these (checkpoint_path is
+# even unpickled with torch.load), and pretrained_cfg(_overlay) may name a file. Only the caller may pass them.
+# Matched on the name's last segment for paths (drop_path_rate is an ordinary architecture argument).
+_UNSAFE_KWARG = re.compile(r"(^|_)(path|file|dir|url|hub)s?$|pretrained|checkpoint|cfg|cache|download", re.IGNORECASE)
+
+
+def _plain_json(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, list) and all(_plain_json(v) for v in value)
+
+
+def _checkpoint_kwargs(raw: str, source: object) -> dict[str, Any]:
+    """Model kwargs stored in a checkpoint: a JSON object of plain values whose keys open nothing else."""
+    try:
+        kwargs = json.loads(raw)
+    except ValueError as err:
+        raise ValueError(f"{source}: corrupt classifier metadata: model_kwargs is not JSON ({err})") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{source}: model_kwargs must be a JSON object, got {type(kwargs).__name__}")
+    for key, value in kwargs.items():
+        if _UNSAFE_KWARG.search(key):
+            raise ValueError(
+                f"{source}: refusing model kwarg {key!r} from a checkpoint (it could make the loader open other files "
+                "or the network); pass it to load_classifier yourself if you mean it"
+            )
+        if not _plain_json(value):
+            raise ValueError(f"{source}: model kwarg {key!r} must be a plain JSON value or list, got {value!r}")
+    return kwargs
 
 
 def _as_triple(values: Sequence[float] | torch.Tensor, name: str) -> tuple[float, float, float]:
@@ -330,8 +360,8 @@ def load_classifier(
             arch = timm.models.split_model_name_tag  # "resnet50.a1_in1k" and "resnet50" share weights' shapes
             if saved_name and arch(saved_name)[0] != arch(name)[0]:
                 raise ValueError(f"{checkpoint} was saved for model {saved_name!r}, not {name!r}")
+            saved_kwargs = _checkpoint_kwargs(meta.get("model_kwargs", "{}"), checkpoint)
             try:
-                saved_kwargs = json.loads(meta.get("model_kwargs", "{}"))
                 mean, std = json.loads(meta["mean"]), json.loads(meta["std"])
                 num_classes = num_classes if num_classes is not None else int(meta["num_classes"])
                 if img_size is None and meta.get("img_size"):
@@ -350,14 +380,19 @@ def load_classifier(
         create_kwargs["num_classes"] = num_classes
     if img_size is not None and (external or _accepts_img_size(name)):
         create_kwargs["img_size"] = img_size
+    source = f"{checkpoint}: " if checkpoint is not None else ""
     try:
-        model = timm.create_model(name, pretrained=pretrained, **create_kwargs)
-    except TypeError as err:
-        # An external model's architecture is only known once its config is fetched: a CNN rejects img_size.
-        if not (external and "img_size" in create_kwargs and "img_size" in str(err)):
-            raise
-        del create_kwargs["img_size"]
-        model = timm.create_model(name, pretrained=pretrained, **create_kwargs)
+        try:
+            model = timm.create_model(name, pretrained=pretrained, **create_kwargs)
+        except TypeError as err:
+            # An external model's architecture is only known once its config is fetched: a CNN rejects img_size.
+            if not (external and "img_size" in create_kwargs and "img_size" in str(err)):
+                raise
+            del create_kwargs["img_size"]
+            model = timm.create_model(name, pretrained=pretrained, **create_kwargs)
+    except (TypeError, AssertionError, KeyError) as err:
+        # Unknown or inconsistent architecture arguments (e.g. a checkpoint's kwargs for another model): one line.
+        raise ValueError(f"{source}cannot build {name} with {create_kwargs}: {err}") from err
 
     if state is not None:
         try:

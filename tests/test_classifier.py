@@ -185,6 +185,48 @@ def test_checkpoint_errors_name_the_file(tmp_path: Path) -> None:
         load_classifier(name, pretrained=True, checkpoint=path)
 
 
+def _crafted(tmp_path: Path, **meta_changes: str) -> Path:
+    """A valid tiny classifier checkpoint with some of its metadata replaced."""
+    name, kwargs = TINY["resnet"]
+    good = tmp_path / "good.safetensors"
+    save_classifier(load_classifier(name, num_classes=3, **kwargs), good)
+    state, meta = load_safetensors(good)
+    path = tmp_path / "crafted.safetensors"
+    save_safetensors(state, path, {**meta, **meta_changes})
+    return path
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"model_kwargs": '{"bogus": 1}'}, r"crafted\.safetensors: cannot build resnet10t .*bogus"),
+        ({"model_kwargs": '{"checkpoint_path": "weights.pth"}'}, "refusing model kwarg 'checkpoint_path'"),
+        ({"model_kwargs": '{"pretrained_cfg_overlay": {"file": "w.pth"}}'}, "refusing model kwarg 'pretrained_cfg"),
+        ({"model_kwargs": '{"cache_dir": "elsewhere"}'}, "refusing model kwarg 'cache_dir'"),
+        ({"model_kwargs": '{"depth": {"nested": 1}}'}, "must be a plain JSON value"),
+        ({"model_kwargs": "[1, 2]"}, "model_kwargs must be a JSON object"),
+        ({"model_kwargs": "{not json"}, "model_kwargs is not JSON"),
+        ({"num_classes": "three"}, "corrupt classifier metadata"),
+    ],
+)
+def test_crafted_checkpoint_metadata_is_refused_in_one_value_error(tmp_path: Path, changes, message) -> None:
+    """Issue #10.13: unknown kwargs gave a TypeError traceback; kwargs that open other files were passed to timm."""
+    path = _crafted(tmp_path, **changes)
+    with pytest.raises(ValueError, match=message):
+        load_classifier("resnet10t", checkpoint=path)
+
+
+def test_a_checkpoint_naming_another_architecture_is_one_value_error(tmp_path: Path) -> None:
+    path = _crafted(tmp_path, model_name="vit_tiny_patch16_224")
+    with pytest.raises(ValueError, match=r"crafted\.safetensors: cannot build vit_tiny_patch16_224"):
+        load_classifier("vit_tiny_patch16_224", checkpoint=path)
+    # drop_path_rate is an architecture argument, not a path: it still loads.
+    name, kwargs = TINY["resnet"]
+    ok = tmp_path / "ok.safetensors"
+    save_classifier(load_classifier(name, num_classes=3, drop_path_rate=0.1, **kwargs), ok)
+    assert load_classifier(name, checkpoint=ok).num_classes == 3
+
+
 def test_save_classifier_rejects_unserialisable_kwargs(tmp_path: Path) -> None:
     clf = Classifier(ChannelMean(), MEAN, STD)
     with pytest.raises(ValueError, match="JSON"):

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from attr_engine.aha.model import checkpoint_dir
-from attr_engine.checkpoint import load_safetensors
+from attr_engine.checkpoint import load_safetensors, save_safetensors
 from attr_engine.classifier import save_classifier
 from attr_engine.cli import explain as explain_cli
 from attr_engine.cli import main
@@ -451,3 +451,24 @@ def test_explain_writes_maps_for_images_next_to_class_folders(checkpoint, tmp_pa
     assert all((out / Path(n).with_suffix(".npy")).is_file() for n in names)
     assert _explain(checkpoint, src, tmp_path / "labels", "--target", "label") == 2
     assert "2 image(s) directly in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"model_kwargs": '{"bogus": 1}'}, "cannot build resnet10t"),
+        ({"model_kwargs": '{"checkpoint_path": "weights.pth"}'}, "refusing model kwarg 'checkpoint_path'"),
+        ({"model_name": "hf-hub:someone/model"}, "not in timm's registry; pass --model to confirm"),
+        ({"model_name": "local-dir:/elsewhere"}, "not in timm's registry; pass --model to confirm"),
+        ({"model_name": "vit_tiny_patch16_224"}, "cannot build vit_tiny_patch16_224"),
+    ],
+)
+def test_crafted_classifier_checkpoints_are_one_line(checkpoint, tmp_path, capsys, changes, message):
+    """Issue #10.13: crafted checkpoint metadata printed a traceback or sent the loader to other files."""
+    state, meta = load_safetensors(checkpoint)
+    crafted = tmp_path / "crafted.safetensors"
+    save_safetensors(state, crafted, {**meta, **changes})
+    _images(tmp_path / "images", ["a.png"])
+    assert _explain(crafted, tmp_path / "images", tmp_path / "maps") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "Traceback" not in err[0], err

@@ -206,6 +206,12 @@ def _checkpoint_model_name(path: Path) -> str | None:
         raise UsageError(f"{path} is not a valid classifier checkpoint (safetensors): {err}") from None
 
 
+def _registry_name(name: str) -> bool:
+    import timm
+
+    return timm.models.parse_model_name(name)[0] is None
+
+
 def load_classifier_args(args: argparse.Namespace, device: torch.device, *, img_size: int | None = None) -> Classifier:
     """Build the classifier named by ``--classifier`` / ``--model`` / ``--pretrained`` on ``device``."""
     checkpoint = Path(args.classifier) if args.classifier else None
@@ -218,6 +224,11 @@ def load_classifier_args(args: argparse.Namespace, device: torch.device, *, img_
         if args.pretrained:
             raise UsageError("--pretrained and --classifier exclude each other (the checkpoint holds the weights)")
         saved = _checkpoint_model_name(checkpoint)
+        if name is None and saved is not None and not _registry_name(saved):
+            # A name read from a file may not send the loader to the network or another directory on its own.
+            raise UsageError(
+                f"{checkpoint} names the model {saved!r}, which is not in timm's registry; pass --model to confirm it"
+            )
         name = name or saved
         if name is None:
             raise UsageError(f"{checkpoint} does not record its architecture; name it with --model NAME")
