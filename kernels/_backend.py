@@ -101,6 +101,8 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     Raises:
         RuntimeError: the backend is forced to ``"triton"`` but the kernels cannot run on these tensors.
     """
+    if getattr(_state, "recording", False):  # kernels.aot records the launches the Triton path would make
+        return True
     backend = get_backend()
     if backend == "reference":
         return False

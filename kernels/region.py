@@ -288,18 +288,18 @@ def _blend_fwd_kernel(
     W,  # width
     G,  # grid size g
     ACC: tl.constexpr,  # arithmetic dtype
-    BLOCK_S: tl.constexpr,  # power of two >= S: all masks of a pixel are handled by one program
+    BLOCK_S: tl.constexpr,  # masks per program (power of two); grid axis 2 tiles S
     BLOCK_P: tl.constexpr,  # pixels per program
 ):
-    # A program owns (image, pixel block) for every mask and channel: x and r are read once, the S mask values of each
-    # pixel are gathered once from the tiny grid, and each output element is written once.
+    # A program owns (image, pixel block, mask block) for every channel: the mask values of each pixel are gathered
+    # once from the tiny grid, and each output element is written once.
     b = tl.program_id(1).to(tl.int64)
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     p_ok = p < H * W
     h = p // W
     w = p % W
     cell = tl.load(rows_ptr + h, mask=p_ok, other=0) * G + tl.load(cols_ptr + w, mask=p_ok, other=0)
-    s = tl.arange(0, BLOCK_S)
+    s = tl.program_id(2).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
     ok = (s < S)[:, None] & p_ok[None, :]
     m = tl.load(m_ptr + b * S * G * G + s[:, None] * G * G + cell[None, :], mask=ok, other=0.0).to(ACC)
     # torch.lerp's two-sided form: exact x at m = 0 and exact r at m = 1.
@@ -340,12 +340,14 @@ def _blend_bwd_kernel(
     W,  # width
     G,  # grid size g
     ACC: tl.constexpr,  # accumulation dtype
-    BLOCK_S: tl.constexpr,  # power of two >= S
+    BLOCK_S: tl.constexpr,  # masks per step (power of two); larger S loops over mask blocks
     BLOCK_P: tl.constexpr,  # pixels of the cell per step
 ):
-    # A program owns one (image, cell): it reduces the cell's mask gradients for all S masks in registers and writes
-    # dx, dr for the cell's pixels, which no other program touches. No atomics, deterministic, and the output
-    # gradient (the big tensor) is read exactly once.
+    # A program owns one (image, cell): it reduces the cell's mask gradients in registers and writes dx, dr for the
+    # cell's pixels, which no other program touches. No atomics, deterministic, and the output gradient (the big
+    # tensor) is read exactly once. Mask blocks are the outer loop so one block's dm stays in registers; dx and dr
+    # then collect their sums over S in place across the blocks (the launcher gives them a float32 buffer when
+    # there is more than one block, so half-precision outputs round once).
     cell = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     cy = cell // G
@@ -354,28 +356,32 @@ def _blend_bwd_kernel(
     x0 = tl.load(col_start_ptr + cx)
     cw = tl.load(col_start_ptr + cx + 1) - x0
     n = (tl.load(row_start_ptr + cy + 1) - y0) * cw
-    s = tl.arange(0, BLOCK_S)
-    s_ok = s < S
-    m = tl.load(m_ptr + b * S * G * G + s * G * G + cell, mask=s_ok, other=0.0).to(ACC)[:, None]
-    dm = tl.zeros([BLOCK_S], dtype=ACC)
     hw = H * W
-    for start in range(0, n, BLOCK_P):
-        idx = start + tl.arange(0, BLOCK_P)
-        p_ok = idx < n
-        h = y0 + idx // cw
-        w = x0 + idx % cw
-        p = h * W + w
-        ok = s_ok[:, None] & p_ok[None, :]
-        for c in range(0, C):
-            xv = tl.load(x_ptr + b * sx_b + c * sx_c + h * sx_h + w * sx_w, mask=p_ok, other=0.0).to(ACC)
-            rv = tl.load(r_ptr + b * sr_b + c * sr_c + h * sr_h + w * sr_w, mask=p_ok, other=0.0).to(ACC)
-            offs = b * S * C * hw + s[:, None] * C * hw + c * hw + p[None, :]
-            g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(ACC)
-            dm += tl.sum(g * (rv - xv)[None, :], axis=1)
-            out = b * C * hw + c * hw + p
-            tl.store(dx_ptr + out, tl.sum(g * (1.0 - m), axis=0).to(dx_ptr.dtype.element_ty), mask=p_ok)
-            tl.store(dr_ptr + out, tl.sum(g * m, axis=0).to(dr_ptr.dtype.element_ty), mask=p_ok)
-    tl.store(dm_ptr + b * S * G * G + s * G * G + cell, dm.to(dm_ptr.dtype.element_ty), mask=s_ok)
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
+        s_ok = s < S
+        m = tl.load(m_ptr + b * S * G * G + s * G * G + cell, mask=s_ok, other=0.0).to(ACC)[:, None]
+        dm = tl.zeros([BLOCK_S], dtype=ACC)
+        for start in range(0, n, BLOCK_P):
+            idx = start + tl.arange(0, BLOCK_P)
+            p_ok = idx < n
+            h = y0 + idx // cw
+            w = x0 + idx % cw
+            p = h * W + w
+            ok = s_ok[:, None] & p_ok[None, :]
+            for c in range(0, C):
+                xv = tl.load(x_ptr + b * sx_b + c * sx_c + h * sx_h + w * sx_w, mask=p_ok, other=0.0).to(ACC)
+                rv = tl.load(r_ptr + b * sr_b + c * sr_c + h * sr_h + w * sr_w, mask=p_ok, other=0.0).to(ACC)
+                offs = b * S * C * hw + s[:, None] * C * hw + c * hw + p[None, :]
+                g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(ACC)
+                dm += tl.sum(g * (rv - xv)[None, :], axis=1)
+                out = b * C * hw + c * hw + p
+                # The first block starts the sums (the masked load reads nothing), later blocks add to them.
+                dx = tl.load(dx_ptr + out, mask=p_ok & (s0 > 0), other=0.0).to(ACC) + tl.sum(g * (1.0 - m), axis=0)
+                dr = tl.load(dr_ptr + out, mask=p_ok & (s0 > 0), other=0.0).to(ACC) + tl.sum(g * m, axis=0)
+                tl.store(dx_ptr + out, dx.to(dx_ptr.dtype.element_ty), mask=p_ok)
+                tl.store(dr_ptr + out, dr.to(dr_ptr.dtype.element_ty), mask=p_ok)
+        tl.store(dm_ptr + b * S * G * G + s * G * G + cell, dm.to(dm_ptr.dtype.element_ty), mask=s_ok)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -383,16 +389,22 @@ def _blend_bwd_kernel(
 # ----------------------------------------------------------------------------------------------------------------------
 
 _MAX_BLOCK = 1024  # elements per program step: enough to saturate a memory-bound loop, small enough for registers
-_TILE_ELEMS = 4096  # BLOCK_S * BLOCK_P budget of the blend kernels
+_BLEND_FWD_TILE = 4096  # BLOCK_S * BLOCK_P of the blend forward (~32 values per thread per temporary at 4 warps)
+_BLEND_BWD_TILE = 2048  # the backward keeps more tiles live (g, m, two products): half the forward's tile
+_MAX_BLEND_S = 64  # masks per program of the forward (grid axis 2 tiles S)
+_MAX_BLEND_BWD_S = 32  # masks per step of the backward (it loops over mask blocks)
+# Largest S accepted: grid axis 2 of the forward holds at most 65535 blocks, and beyond this the output (S blended
+# copies of every image) no longer fits any GPU at useful sizes anyway.
+MAX_BLEND_MASKS = 65536
 
 
 def _cell_block(max_area: int) -> int:
     return max(16, min(_MAX_BLOCK, triton.next_power_of_2(max_area)))
 
 
-def _blend_blocks(n_masks: int) -> tuple[int, int]:
-    block_s = triton.next_power_of_2(max(1, n_masks))
-    return block_s, max(16, min(_MAX_BLOCK, _TILE_ELEMS // block_s))
+def _blend_blocks(n_masks: int, cap: int, tile: int) -> tuple[int, int]:
+    block_s = min(cap, triton.next_power_of_2(max(1, n_masks)))
+    return block_s, max(16, min(_MAX_BLOCK, tile // block_s))
 
 
 @triton_op("attr_engine::region_pool", mutates_args=())
@@ -455,8 +467,8 @@ def _soft_mask_blend_op(
     masks = masks.contiguous()
     out = torch.empty((b, n_masks, c, h, w), dtype=x.dtype, device=x.device)
     if out.numel() > 0:
-        block_s, block_p = _blend_blocks(n_masks)
-        wrap_triton(_blend_fwd_kernel)[(triton.cdiv(h * w, block_p), b)](
+        block_s, block_p = _blend_blocks(n_masks, _MAX_BLEND_S, _BLEND_FWD_TILE)
+        wrap_triton(_blend_fwd_kernel)[(triton.cdiv(h * w, block_p), b, triton.cdiv(n_masks, block_s))](
             x, reference, masks, out, rows, cols, *x.stride(), *reference.stride(), n_masks, c, h, w, g,
             ACC=_tl_acc(x.dtype), BLOCK_S=block_s, BLOCK_P=block_p,
         )  # fmt: skip
@@ -470,15 +482,19 @@ def _soft_mask_blend_backward_op(
     b, c, h, w = x.shape
     n_masks, g = masks.shape[1], masks.shape[2]
     grad, masks = grad.contiguous(), masks.contiguous()
-    dx = torch.empty((b, c, h, w), dtype=x.dtype, device=x.device)
-    dr = torch.empty((b, c, h, w), dtype=reference.dtype, device=x.device)
+    block_s, block_p = _blend_blocks(n_masks, _MAX_BLEND_BWD_S, _BLEND_BWD_TILE)
+    # More than one mask block sums dx and dr in place over the blocks: in the accumulation dtype, cast once after.
+    multi = n_masks > block_s
+    dx = torch.empty((b, c, h, w), dtype=_acc_dtype(x.dtype) if multi else x.dtype, device=x.device)
+    dr = torch.empty((b, c, h, w), dtype=_acc_dtype(reference.dtype) if multi else reference.dtype, device=x.device)
     dm = torch.empty_like(masks)
     if grad.numel() > 0:
-        block_s, block_p = _blend_blocks(n_masks)
         wrap_triton(_blend_bwd_kernel)[(g * g, b)](
             grad, x, reference, masks, dx, dr, dm, row_start, col_start, *x.stride(), *reference.stride(),
             n_masks, c, h, w, g, ACC=_tl_acc(x.dtype), BLOCK_S=block_s, BLOCK_P=min(block_p, _cell_block(max_area)),
         )  # fmt: skip
+    if multi:
+        dx, dr = dx.to(x.dtype), dr.to(reference.dtype)
     return dx, dr, dm
 
 
@@ -569,8 +585,8 @@ def soft_mask_blend(x: Tensor, reference: Tensor, masks: Tensor, offset: Sequenc
     b, _, h, w = x.shape
     if masks.shape[0] != b:
         raise ValueError(f"masks must have x's batch size {b}, got shape {tuple(masks.shape)}")
-    if masks.shape[1] < 1:
-        raise ValueError(f"masks must hold at least one mask (S >= 1), got shape {tuple(masks.shape)}")
+    if not 1 <= masks.shape[1] <= MAX_BLEND_MASKS:
+        raise ValueError(f"masks must hold 1 to {MAX_BLEND_MASKS} masks (S), got shape {tuple(masks.shape)}")
     if masks.shape[2] != masks.shape[3]:
         raise ValueError(f"masks must be (B, S, g, g) on a square grid, got shape {tuple(masks.shape)}")
     g = _check_grid(masks.shape[2], h, w, "masks grid size")
@@ -584,4 +600,4 @@ def soft_mask_blend(x: Tensor, reference: Tensor, masks: Tensor, offset: Sequenc
     return _BlendReference.apply(x, reference, masks, geo)
 
 
-__all__ = ["cell_index", "region_pool", "soft_mask_blend"]
+__all__ = ["MAX_BLEND_MASKS", "cell_index", "region_pool", "soft_mask_blend"]

@@ -25,8 +25,18 @@ potentials are O(max |log_alpha / tau|), so P carries a relative error of about 
 spread 1, ~1e-3 at spread 1e6); the eager form, which keeps the normalised matrix, is the more accurate one there.
 
 Paths: ``sinkhorn_eager`` (definition and gradcheck target), ``_SinkhornReference`` (pure PyTorch, batch-chunked,
-recomputing backward) and two fused Triton kernel pairs (the whole matrix in registers for N <= 128, N x N tiles
-otherwise), chosen by :func:`kernels._backend.use_triton`.
+recomputing backward) and two fused Triton designs, chosen by :func:`kernels._backend.use_triton`:
+
+- N <= 64: one program per sample keeps the whole padded matrix in registers and runs every iteration (one launch
+  forward, one backward); the matrix is read from memory once.
+- N > 64, filling the GPU: one launch per half-step over (sample, block of 32 rows or columns) programs, the
+  potentials in global memory between launches (a launch boundary is CUDA's only grid-wide barrier). At B = 32,
+  N = 784 that is 32 x 25 = 800 programs per launch on an H200's 132 SMs (6 per SM), where one program per sample
+  used 32 SMs. A half-step reads log_alpha once (B * N^2 * 4 bytes = 79 MB at fp32, ~20 us at the H200's
+  4.8 TB/s), well above a launch's few microseconds, so the 2T + 1 forward and 2T + 1 backward launches stay
+  bandwidth-bound; with one program per sample the same read ran at a quarter of the SMs' load bandwidth.
+  Tiles are 32 x 64, 16 fp32 values per thread per temporary at 4 warps: no register spills
+  (``python -m kernels.aot`` checks it).
 """
 
 from __future__ import annotations
@@ -39,13 +49,16 @@ from torch.autograd.function import once_differentiable
 from torch.library import register_autograd, triton_op, wrap_triton
 
 from kernels._backend import tl, triton, use_triton
+from kernels._tl_helpers import _neg_lse, _online_lse
 from kernels._validate import check_int_at_least, check_positive, check_tensor
 
 # The reference works on slabs of the batch so that its N x N temporaries stay ~16 MiB (fp32) whatever B is.
 _CHUNK_ELEMENTS = 1 << 22
-# Largest N whose whole (padded) matrix one program keeps in registers; larger N streams N x N tiles.
-_MAX_REGISTER_N = 128
-_TILE = 64
+# Largest N whose whole (padded) matrix one program keeps in registers; larger N streams tiles. At N = 128 the
+# backward's three live 128 x 128 fp32 tiles spill even at 16 warps (``python -m kernels.aot``), so 64 is the cap.
+_MAX_REGISTER_N = 64
+_OWN = 32  # rows (or columns) one program of a tiled pass owns
+_STREAM = 64  # width of the tiles it streams over the other dimension
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -226,11 +239,27 @@ def _sinkhorn_fwd_block_kernel(
 
 
 @triton.jit
-def _sinkhorn_fwd_tiled_kernel(
+def _k_tile(
+    la_b,  # this sample's log_alpha, (N, N) strided
+    u0_b,  # this sample's row shift u^0, (N,) fp32
+    rows,  # (BLOCK_R,) row indices
+    cols,  # (BLOCK_C,) column indices
+    N,
+    stride_li,
+    stride_lj,
+    tau,
+):
+    """K' = log_alpha / tau + u^0 over a (BLOCK_R, BLOCK_C) tile in fp32; -inf outside the matrix."""
+    rmask = rows < N
+    mask = rmask[:, None] & (cols < N)[None, :]
+    k = tl.load(la_b + rows[:, None] * stride_li + cols[None, :] * stride_lj, mask=mask, other=float("-inf"))
+    return k.to(tl.float32) / tau + tl.load(u0_b + rows, mask=rmask, other=0.0)[:, None]
+
+
+@triton.jit
+def _sinkhorn_rowmax_kernel(
     la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
-    p_ptr,  # (B, N, N) output P, contiguous, log_alpha's dtype
-    u_ptr,  # (B, T + 1, N) fp32 row potentials, contiguous: slot 0 the row shift, slot t u^t
-    v_ptr,  # (B, T + 1, N) fp32 column potentials, contiguous: slot 0 zeros, slot t v^t
+    u_ptr,  # (B, T + 1, N) fp32 row potentials: slot 0 (the row shift u^0 = -max_j K) written here
     stride_lb,  # log_alpha stride between batch elements
     stride_li,  # log_alpha stride between rows
     stride_lj,  # log_alpha stride between columns
@@ -241,91 +270,90 @@ def _sinkhorn_fwd_tiled_kernel(
     BLOCK_C: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < N
     la_b = la_ptr + b * stride_lb
-    pot_u = u_ptr + b * (T + 1) * N
-    pot_v = v_ptr + b * (T + 1) * N
-    # Slot 0: row shift u^0 = -max_j K and v^0 = 0.
-    for r0 in range(0, N, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        rmask = rows < N
-        mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-        for c0 in range(0, N, BLOCK_C):
-            cols = c0 + tl.arange(0, BLOCK_C)
-            mask = rmask[:, None] & (cols < N)[None, :]
-            k = tl.load(la_b + rows[:, None] * stride_li + cols[None, :] * stride_lj, mask=mask, other=float("-inf"))
-            mx = tl.maximum(mx, tl.max(k.to(tl.float32) / tau, axis=1))
-        tl.store(pot_u + rows, tl.where(rmask, -mx, 0.0), mask=rmask)
+    mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     for c0 in range(0, N, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
-        tl.store(pot_v + cols, tl.zeros([BLOCK_C], dtype=tl.float32), mask=cols < N)
-    # Each pass re-reads potentials that other threads of this program wrote in the previous pass.
-    tl.debug_barrier()
-    for t in range(1, T + 1):
-        # u-step: rows outer, an online logsumexp across the column tiles.
+        mask = rmask[:, None] & (cols < N)[None, :]
+        k = tl.load(la_b + rows[:, None] * stride_li + cols[None, :] * stride_lj, mask=mask, other=float("-inf"))
+        mx = tl.maximum(mx, tl.max(k.to(tl.float32) / tau, axis=1))
+    tl.store(u_ptr + b * (T + 1) * N + rows, -mx, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["t"])
+def _sinkhorn_u_kernel(
+    la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
+    u_ptr,  # (B, T + 1, N) fp32 row potentials: slot t written here
+    v_ptr,  # (B, T + 1, N) fp32 column potentials: slot t - 1 read here
+    stride_lb,  # log_alpha stride between batch elements
+    stride_li,  # log_alpha stride between rows
+    stride_lj,  # log_alpha stride between columns
+    N,
+    T,
+    t,  # half-step pair index, 1..T (runtime: one compiled kernel for every iteration)
+    tau,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """u-step for this program's rows: u^t_i = -LSE_j(K'_ij + v^(t-1)_j), an online logsumexp over column tiles."""
+    b = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    la_b = la_ptr + b * stride_lb
+    pot_u = u_ptr + b * (T + 1) * N
+    v_prev = v_ptr + b * (T + 1) * N + (t - 1) * N
+    mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for c0 in range(0, N, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        x = _k_tile(la_b, pot_u, rows, cols, N, stride_li, stride_lj, tau)
+        x += tl.load(v_prev + cols, mask=cols < N, other=0.0)[None, :]
+        mx, acc = _online_lse(mx, acc, x, 1)
+    tl.store(pot_u + t * N + rows, _neg_lse(mx, acc), mask=rows < N)
+
+
+@triton.jit(do_not_specialize=["t"])
+def _sinkhorn_v_kernel(
+    la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
+    p_ptr,  # (B, N, N) output P, contiguous, log_alpha's dtype: written when t == T
+    u_ptr,  # (B, T + 1, N) fp32 row potentials: slots 0 and t read here
+    v_ptr,  # (B, T + 1, N) fp32 column potentials: slot t written here
+    stride_lb,  # log_alpha stride between batch elements
+    stride_li,  # log_alpha stride between rows
+    stride_lj,  # log_alpha stride between columns
+    N,
+    T,
+    t,  # half-step pair index, 1..T
+    tau,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """v-step for this program's columns: v^t_j = -LSE_i(K'_ij + u^t_i); at t = T also P = exp(x - m_j) / s_j."""
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < N
+    la_b = la_ptr + b * stride_lb
+    pot_u = u_ptr + b * (T + 1) * N
+    mx = tl.full([BLOCK_C], float("-inf"), dtype=tl.float32)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for r0 in range(0, N, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        x = _k_tile(la_b, pot_u, rows, cols, N, stride_li, stride_lj, tau)
+        x += tl.load(pot_u + t * N + rows, mask=rows < N, other=0.0)[:, None]
+        mx, acc = _online_lse(mx, acc, x, 0)
+    tl.store(v_ptr + b * (T + 1) * N + t * N + cols, _neg_lse(mx, acc), mask=cmask)
+    if t == T:
+        # Normalise the last iterate's columns directly (not through the rounded v^T): columns sum to 1.
+        m_safe = tl.where(mx == float("-inf"), 0.0, mx)
+        inv_s = 1.0 / tl.where(acc > 0.0, acc, 1.0)
         for r0 in range(0, N, BLOCK_R):
             rows = r0 + tl.arange(0, BLOCK_R)
-            rmask = rows < N
-            u0 = tl.load(pot_u + rows, mask=rmask, other=0.0)
-            mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-            acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-            for c0 in range(0, N, BLOCK_C):
-                cols = c0 + tl.arange(0, BLOCK_C)
-                cmask = cols < N
-                mask = rmask[:, None] & cmask[None, :]
-                k = tl.load(
-                    la_b + rows[:, None] * stride_li + cols[None, :] * stride_lj, mask=mask, other=float("-inf")
-                )
-                k = k.to(tl.float32) / tau + u0[:, None]
-                x = k + tl.load(pot_v + (t - 1) * N + cols, mask=cmask, other=0.0)[None, :]
-                m_new = tl.maximum(mx, tl.max(x, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                acc = acc * tl.exp(mx - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
-                mx = m_new
-            # Padding rows (-inf throughout, acc = 0) are never stored; the where only keeps log away from 0.
-            lse = tl.where(mx == float("-inf"), 0.0, mx) + tl.log(tl.where(acc > 0.0, acc, 1.0))
-            tl.store(pot_u + t * N + rows, -lse, mask=rmask)
-        tl.debug_barrier()
-        # v-step: columns outer, an online logsumexp down the row tiles.
-        for c0 in range(0, N, BLOCK_C):
-            cols = c0 + tl.arange(0, BLOCK_C)
-            cmask = cols < N
-            mx = tl.full([BLOCK_C], float("-inf"), dtype=tl.float32)
-            acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-            for r0 in range(0, N, BLOCK_R):
-                rows = r0 + tl.arange(0, BLOCK_R)
-                rmask = rows < N
-                mask = rmask[:, None] & cmask[None, :]
-                u0 = tl.load(pot_u + rows, mask=rmask, other=0.0)
-                k = tl.load(
-                    la_b + rows[:, None] * stride_li + cols[None, :] * stride_lj, mask=mask, other=float("-inf")
-                )
-                k = k.to(tl.float32) / tau + u0[:, None]
-                x = k + tl.load(pot_u + t * N + rows, mask=rmask, other=0.0)[:, None]
-                m_new = tl.maximum(mx, tl.max(x, axis=0))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                acc = acc * tl.exp(mx - m_safe) + tl.sum(tl.exp(x - m_safe[None, :]), axis=0)
-                mx = m_new
-            m_safe = tl.where(mx == float("-inf"), 0.0, mx)
-            acc = tl.where(acc > 0.0, acc, 1.0)
-            tl.store(pot_v + t * N + cols, -(m_safe + tl.log(acc)), mask=cmask)
-            if t == T:
-                # Last half-step: a second sweep of this column block writes P normalised by (m, s) directly.
-                inv_s = 1.0 / acc
-                for r0 in range(0, N, BLOCK_R):
-                    rows = r0 + tl.arange(0, BLOCK_R)
-                    rmask = rows < N
-                    mask = rmask[:, None] & cmask[None, :]
-                    u0 = tl.load(pot_u + rows, mask=rmask, other=0.0)
-                    k = tl.load(
-                        la_b + rows[:, None] * stride_li + cols[None, :] * stride_lj, mask=mask, other=float("-inf")
-                    )
-                    k = k.to(tl.float32) / tau + u0[:, None]
-                    x = k + tl.load(pot_u + t * N + rows, mask=rmask, other=0.0)[:, None]
-                    p = tl.exp(x - m_safe[None, :]) * inv_s[None, :]
-                    tl.store(
-                        p_ptr + b * N * N + rows[:, None] * N + cols[None, :], p.to(p_ptr.dtype.element_ty), mask=mask
-                    )
-        tl.debug_barrier()
+            mask = (rows < N)[:, None] & cmask[None, :]
+            x = _k_tile(la_b, pot_u, rows, cols, N, stride_li, stride_lj, tau)
+            x += tl.load(pot_u + t * N + rows, mask=rows < N, other=0.0)[:, None]
+            p = tl.exp(x - m_safe[None, :]) * inv_s[None, :]
+            tl.store(p_ptr + b * N * N + rows[:, None] * N + cols[None, :], p.to(p_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -380,15 +408,12 @@ def _sinkhorn_bwd_block_kernel(
 
 
 @triton.jit
-def _sinkhorn_bwd_tiled_kernel(
+def _sinkhorn_bwd_init_kernel(
     la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
     g_ptr,  # (B, N, N) dL/dP, strided (a broadcast gradient may have zero strides)
-    u_ptr,  # (B, T + 1, N) fp32 row potentials saved by the forward, contiguous
-    v_ptr,  # (B, T + 1, N) fp32 column potentials saved by the forward, contiguous
-    dk_ptr,  # (B, N, N) fp32 scratch accumulating dL/dK, contiguous (may alias dla_ptr when that is fp32)
-    du_ptr,  # (B, N) fp32 scratch: adjoint of the current row potential
-    dv_ptr,  # (B, N) fp32 scratch: adjoint of the current column potential
-    dla_ptr,  # (B, N, N) output dL/dlog_alpha, contiguous, log_alpha's dtype
+    u_ptr,  # (B, T + 1, N) fp32 row potentials saved by the forward
+    v_ptr,  # (B, T + 1, N) fp32 column potentials saved by the forward
+    dv_ptr,  # (B, N) fp32 out: dv^T = colsum(R), R = dL/dP * P
     stride_lb,  # log_alpha stride between batch elements
     stride_li,  # log_alpha stride between rows
     stride_lj,  # log_alpha stride between columns
@@ -402,90 +427,123 @@ def _sinkhorn_bwd_tiled_kernel(
     BLOCK_C: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < N
+    la_b = la_ptr + b * stride_lb
+    g_b = g_ptr + b * stride_gb
+    pot_u = u_ptr + b * (T + 1) * N
+    v_T = tl.load(v_ptr + b * (T + 1) * N + T * N + cols, mask=cmask, other=0.0)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for r0 in range(0, N, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        rmask = rows < N
+        x = _k_tile(la_b, pot_u, rows, cols, N, stride_li, stride_lj, tau)
+        x += tl.load(pot_u + T * N + rows, mask=rmask, other=0.0)[:, None]
+        mask = rmask[:, None] & cmask[None, :]
+        g = tl.load(g_b + rows[:, None] * stride_gi + cols[None, :] * stride_gj, mask=mask, other=0.0)
+        acc += tl.sum(g.to(tl.float32) * tl.exp(x + v_T[None, :]), axis=0)
+    tl.store(dv_ptr + b * N + cols, acc, mask=cmask)
+
+
+@triton.jit(do_not_specialize=["t"])
+def _sinkhorn_bwd_rows_kernel(
+    la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
+    g_ptr,  # (B, N, N) dL/dP, strided
+    u_ptr,  # (B, T + 1, N) fp32 row potentials saved by the forward
+    v_ptr,  # (B, T + 1, N) fp32 column potentials saved by the forward
+    dk_ptr,  # (B, N, N) fp32 scratch accumulating dL/dK', contiguous: this program's rows
+    du_ptr,  # (B, N) fp32 out: adjoint du^t of this program's rows
+    dv_ptr,  # (B, N) fp32 adjoint dv^t, read
+    stride_lb,  # log_alpha stride between batch elements
+    stride_li,  # log_alpha stride between rows
+    stride_lj,  # log_alpha stride between columns
+    stride_gb,  # dL/dP stride between batch elements
+    stride_gi,  # dL/dP stride between rows
+    stride_gj,  # dL/dP stride between columns
+    N,
+    T,
+    t,  # half-step pair index, T..1
+    tau,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """v-step adjoint: du^t_i = [t = T] rowsum(R)_i - sum_j Q_ij dv^t_j and dK' -= dv^t_j Q_ij, Q = exp(K'+u^t+v^t).
+
+    At t = T, Q is P itself, so R - Q dv = Q (dL/dP - dv) starts dK'.
+    """
+    b = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < N
     la_b = la_ptr + b * stride_lb
     g_b = g_ptr + b * stride_gb
     pot_u = u_ptr + b * (T + 1) * N
     pot_v = v_ptr + b * (T + 1) * N
     dk_b = dk_ptr + b * N * N
-    dla_b = dla_ptr + b * N * N
-    adj_u = du_ptr + b * N
-    adj_v = dv_ptr + b * N
-    # dv^T = colsum(R), R = dL/dP * P: needed whole before the first row pass.
+    u_t = tl.load(pot_u + t * N + rows, mask=rmask, other=0.0)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for c0 in range(0, N, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         cmask = cols < N
-        v_T = tl.load(pot_v + T * N + cols, mask=cmask, other=0.0)
-        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for r0 in range(0, N, BLOCK_R):
-            rows = r0 + tl.arange(0, BLOCK_R)
-            rmask = rows < N
-            mask = rmask[:, None] & cmask[None, :]
-            k = tl.load(la_b + rows[:, None] * stride_li + cols[None, :] * stride_lj, mask=mask, other=float("-inf"))
-            k = k.to(tl.float32) / tau + tl.load(pot_u + rows, mask=rmask, other=0.0)[:, None]
-            x = k + tl.load(pot_u + T * N + rows, mask=rmask, other=0.0)[:, None]
+        mask = rmask[:, None] & cmask[None, :]
+        tile = rows[:, None] * N + cols[None, :]
+        x = _k_tile(la_b, pot_u, rows, cols, N, stride_li, stride_lj, tau) + u_t[:, None]
+        q = tl.exp(x + tl.load(pot_v + t * N + cols, mask=cmask, other=0.0)[None, :])
+        dv = tl.load(dv_ptr + b * N + cols, mask=cmask, other=0.0)
+        if t == T:
             g = tl.load(g_b + rows[:, None] * stride_gi + cols[None, :] * stride_gj, mask=mask, other=0.0)
-            acc += tl.sum(g.to(tl.float32) * tl.exp(x + v_T[None, :]), axis=0)
-        tl.store(adj_v + cols, acc, mask=cmask)
-    tl.debug_barrier()
-    for s in range(0, T):
-        t = T - s
-        # v-step adjoint, rows outer: du^t_i = [t = T] rowsum(R)_i - sum_j Q_ij dv^t_j; dK -= dv^t_j Q_ij.
-        for r0 in range(0, N, BLOCK_R):
-            rows = r0 + tl.arange(0, BLOCK_R)
-            rmask = rows < N
-            u0 = tl.load(pot_u + rows, mask=rmask, other=0.0)
-            u_t = tl.load(pot_u + t * N + rows, mask=rmask, other=0.0)
-            acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-            for c0 in range(0, N, BLOCK_C):
-                cols = c0 + tl.arange(0, BLOCK_C)
-                cmask = cols < N
-                mask = rmask[:, None] & cmask[None, :]
-                tile = rows[:, None] * N + cols[None, :]
-                k = tl.load(
-                    la_b + rows[:, None] * stride_li + cols[None, :] * stride_lj, mask=mask, other=float("-inf")
-                )
-                x = (k.to(tl.float32) / tau + u0[:, None]) + u_t[:, None]
-                q = tl.exp(x + tl.load(pot_v + t * N + cols, mask=cmask, other=0.0)[None, :])
-                dv = tl.load(adj_v + cols, mask=cmask, other=0.0)
-                if t == T:
-                    # Q at t = T is P itself, so R - Q dv = Q (dL/dP - dv); dK starts here.
-                    g = tl.load(g_b + rows[:, None] * stride_gi + cols[None, :] * stride_gj, mask=mask, other=0.0)
-                    w = q * (g.to(tl.float32) - dv[None, :])
-                    dk = w
-                else:
-                    w = -q * dv[None, :]
-                    dk = tl.load(dk_b + tile, mask=mask, other=0.0) + w
-                tl.store(dk_b + tile, dk, mask=mask)
-                acc += tl.sum(w, axis=1)
-            tl.store(adj_u + rows, acc, mask=rmask)
-        tl.debug_barrier()
-        # u-step adjoint, columns outer: dv^(t-1)_j = -sum_i Q'_ij du^t_i; dK -= du^t_i Q'_ij.
-        for c0 in range(0, N, BLOCK_C):
-            cols = c0 + tl.arange(0, BLOCK_C)
-            cmask = cols < N
-            v_prev = tl.load(pot_v + (t - 1) * N + cols, mask=cmask, other=0.0)
-            acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-            for r0 in range(0, N, BLOCK_R):
-                rows = r0 + tl.arange(0, BLOCK_R)
-                rmask = rows < N
-                mask = rmask[:, None] & cmask[None, :]
-                tile = rows[:, None] * N + cols[None, :]
-                k = tl.load(
-                    la_b + rows[:, None] * stride_li + cols[None, :] * stride_lj, mask=mask, other=float("-inf")
-                )
-                u0 = tl.load(pot_u + rows, mask=rmask, other=0.0)
-                x = (k.to(tl.float32) / tau + u0[:, None]) + tl.load(pot_u + t * N + rows, mask=rmask, other=0.0)[
-                    :, None
-                ]
-                w = tl.exp(x + v_prev[None, :]) * tl.load(adj_u + rows, mask=rmask, other=0.0)[:, None]
-                dk = tl.load(dk_b + tile, mask=mask, other=0.0) - w
-                acc -= tl.sum(w, axis=0)
-                if t == 1:
-                    tl.store(dla_b + tile, (dk / tau).to(dla_ptr.dtype.element_ty), mask=mask)
-                else:
-                    tl.store(dk_b + tile, dk, mask=mask)
-            tl.store(adj_v + cols, acc, mask=cmask)
-        tl.debug_barrier()
+            w = q * (g.to(tl.float32) - dv[None, :])
+            dk = w
+        else:
+            w = -q * dv[None, :]
+            dk = tl.load(dk_b + tile, mask=mask, other=0.0) + w
+        tl.store(dk_b + tile, dk, mask=mask)
+        acc += tl.sum(w, axis=1)
+    tl.store(du_ptr + b * N + rows, acc, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["t"])
+def _sinkhorn_bwd_cols_kernel(
+    la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
+    u_ptr,  # (B, T + 1, N) fp32 row potentials saved by the forward
+    v_ptr,  # (B, T + 1, N) fp32 column potentials saved by the forward
+    dk_ptr,  # (B, N, N) fp32 scratch accumulating dL/dK': this program's columns
+    du_ptr,  # (B, N) fp32 adjoint du^t, read
+    dv_ptr,  # (B, N) fp32 out: adjoint dv^(t-1) of this program's columns
+    dla_ptr,  # (B, N, N) output dL/dlog_alpha, contiguous, log_alpha's dtype: written at t = 1
+    stride_lb,  # log_alpha stride between batch elements
+    stride_li,  # log_alpha stride between rows
+    stride_lj,  # log_alpha stride between columns
+    N,
+    T,
+    t,  # half-step pair index, T..1
+    tau,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """u-step adjoint: dv^(t-1)_j = -sum_i Q'_ij du^t_i and dK' -= du^t_i Q'_ij, Q' = exp(K' + u^t + v^(t-1))."""
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < N
+    la_b = la_ptr + b * stride_lb
+    pot_u = u_ptr + b * (T + 1) * N
+    dk_b = dk_ptr + b * N * N
+    v_prev = tl.load(v_ptr + b * (T + 1) * N + (t - 1) * N + cols, mask=cmask, other=0.0)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for r0 in range(0, N, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        rmask = rows < N
+        mask = rmask[:, None] & cmask[None, :]
+        tile = rows[:, None] * N + cols[None, :]
+        x = _k_tile(la_b, pot_u, rows, cols, N, stride_li, stride_lj, tau)
+        x += tl.load(pot_u + t * N + rows, mask=rmask, other=0.0)[:, None]
+        w = tl.exp(x + v_prev[None, :]) * tl.load(du_ptr + b * N + rows, mask=rmask, other=0.0)[:, None]
+        dk = tl.load(dk_b + tile, mask=mask, other=0.0) - w
+        acc -= tl.sum(w, axis=0)
+        if t == 1:
+            tl.store(dla_ptr + b * N * N + tile, (dk / tau).to(dla_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(dk_b + tile, dk, mask=mask)
+    tl.store(dv_ptr + b * N + cols, acc, mask=cmask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -513,9 +571,20 @@ def _sinkhorn_fwd_op(log_alpha: Tensor, n_iters: int, tau: float) -> tuple[Tenso
             log_alpha, p, u_all, v_all, *log_alpha.stride(), n, n_iters, tau, BLOCK=block, num_warps=warps
         )
     else:
-        wrap_triton(_sinkhorn_fwd_tiled_kernel)[(batch,)](
-            log_alpha, p, u_all, v_all, *log_alpha.stride(), n, n_iters, tau, BLOCK_R=_TILE, BLOCK_C=_TILE, num_warps=4
+        # One launch per half-step over (sample, block of rows or columns): see "Filling the GPU" above.
+        grid = (batch, triton.cdiv(n, _OWN))
+        strides = log_alpha.stride()
+        v_all[:, 0].zero_()
+        wrap_triton(_sinkhorn_rowmax_kernel)[grid](
+            log_alpha, u_all, *strides, n, n_iters, tau, BLOCK_R=_OWN, BLOCK_C=_STREAM
         )
+        for t in range(1, n_iters + 1):
+            wrap_triton(_sinkhorn_u_kernel)[grid](
+                log_alpha, u_all, v_all, *strides, n, n_iters, t, tau, BLOCK_R=_OWN, BLOCK_C=_STREAM
+            )
+            wrap_triton(_sinkhorn_v_kernel)[grid](
+                log_alpha, p, u_all, v_all, *strides, n, n_iters, t, tau, BLOCK_R=_STREAM, BLOCK_C=_OWN
+            )
     return p, u_all, v_all
 
 
@@ -547,24 +616,21 @@ def _sinkhorn_bwd_op(grad_p: Tensor, log_alpha: Tensor, u_all: Tensor, v_all: Te
         dk = dla if dla.dtype == torch.float32 else torch.empty((batch, n, n), dtype=torch.float32, device=dla.device)
         du = torch.empty((batch, n), dtype=torch.float32, device=dla.device)
         dv = torch.empty_like(du)
-        wrap_triton(_sinkhorn_bwd_tiled_kernel)[(batch,)](
-            log_alpha,
-            grad_p,
-            u_all,
-            v_all,
-            dk,
-            du,
-            dv,
-            dla,
-            *log_alpha.stride(),
-            *grad_p.stride(),
-            n,
-            n_iters,
-            tau,
-            BLOCK_R=_TILE,
-            BLOCK_C=_TILE,
-            num_warps=4,
-        )
+        grid = (batch, triton.cdiv(n, _OWN))
+        la_strides, g_strides = log_alpha.stride(), grad_p.stride()
+        wrap_triton(_sinkhorn_bwd_init_kernel)[grid](
+            log_alpha, grad_p, u_all, v_all, dv, *la_strides, *g_strides, n, n_iters, tau,
+            BLOCK_R=_STREAM, BLOCK_C=_OWN,
+        )  # fmt: skip
+        for t in range(n_iters, 0, -1):
+            wrap_triton(_sinkhorn_bwd_rows_kernel)[grid](
+                log_alpha, grad_p, u_all, v_all, dk, du, dv, *la_strides, *g_strides, n, n_iters, t, tau,
+                BLOCK_R=_OWN, BLOCK_C=_STREAM,
+            )  # fmt: skip
+            wrap_triton(_sinkhorn_bwd_cols_kernel)[grid](
+                log_alpha, u_all, v_all, dk, du, dv, dla, *la_strides, n, n_iters, t, tau,
+                BLOCK_R=_STREAM, BLOCK_C=_OWN,
+            )  # fmt: skip
     return dla
 
 

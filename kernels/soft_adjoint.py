@@ -286,7 +286,9 @@ def _soft_gate_bwd_kernel(
     if SIGMOID:
         gate = tl.sigmoid(u)
     else:
-        gate = 0.5 + 0.5 * tl.math.erf(u * _SQRT1_2)
+        # The literal, not the module's _SQRT1_2: the compiler only reads tl.constexpr globals (the interpreter
+        # reads any), and a plain-float global made this kernel fail to compile for every ReLU and GELU network.
+        gate = 0.5 + 0.5 * tl.math.erf(u * 0.7071067811865476)
     tl.store(dz_ptr + offs, (g * gate).to(dz_ptr.dtype.element_ty), mask=mask)
 
 

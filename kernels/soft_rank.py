@@ -35,13 +35,19 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch.library import wrap_triton
 
 from kernels._backend import tl, triton, use_triton
+from kernels._tl_helpers import _neg_lse, _online_lse
 from kernels._validate import check_int_at_least, check_positive, check_tensor
 from kernels.sinkhorn import sinkhorn_eager
 
 # Smallest uniform draw before the double log of the Gumbel transform: keeps G finite (G >= -log(-log(1e-10)) ~ -3.1).
 _U_MIN = 1e-10
+# Largest accepted sizes, checked before any kernel is compiled: N bounds the Philox counters j * N + i (int32) and
+# S the mask kernel's grid axis 2 (S / 32 blocks <= 65535); both are far above AHA's N <= 1024, S <= 64.
+MAX_SORT_CELLS = 16384
+MAX_FRACTIONS = 65536
 # Potentials may drift this many nats from the reference pair before E is re-formed: e^150 keeps every product of a
 # stabilised entry (<= 1) and a rescaling inside float64's range, and entries that underflow below e^-745 stay
 # negligible next to the e^-150 floor of what is still resolved.
@@ -103,16 +109,16 @@ def _check_inputs(
     scores: torch.Tensor, fractions: torch.Tensor | Sequence[float], tau: float, n_iters: int, noise: float
 ) -> torch.Tensor:
     check_tensor(scores, "scores", ndim=2, finite=True)
-    if scores.shape[1] < 1:
-        raise ValueError(f"scores must have at least one cell, got shape {tuple(scores.shape)}")
+    if not 1 <= scores.shape[1] <= MAX_SORT_CELLS:
+        raise ValueError(f"scores must have 1 to {MAX_SORT_CELLS} cells, got shape {tuple(scores.shape)}")
     if not isinstance(fractions, torch.Tensor):
         try:
             fractions = torch.tensor([float(f) for f in fractions], dtype=torch.float64)
         except (TypeError, ValueError):
             raise ValueError(f"fractions must be a 1-D sequence or tensor of floats, got {fractions!r}") from None
     check_tensor(fractions, "fractions", ndim=1, finite=True)
-    if fractions.numel() == 0:
-        raise ValueError("fractions must not be empty")
+    if not 1 <= fractions.numel() <= MAX_FRACTIONS:
+        raise ValueError(f"fractions must hold 1 to {MAX_FRACTIONS} values, got {fractions.numel()}")
     if bool(((fractions < 0) | (fractions > 1)).any()):
         raise ValueError(
             f"fractions must lie in [0, 1], got min {fractions.min().item()}, max {fractions.max().item()}"
@@ -358,6 +364,27 @@ class _StructuredSoftTopk(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------------------
 # Triton: fused log-domain sorter; K, the noise and P are recomputed per tile, never stored
 # ----------------------------------------------------------------------------------------------------------------
+# Work decomposition. Every half-step is one launch over (sample, block of _OWN rows or columns) programs, and the
+# potentials live in global memory between launches (a launch boundary is the only grid-wide barrier CUDA offers).
+# Arithmetic at the AHA default (B = 32, N = 784, S = 16, T = 30) on an H200 (132 SMs):
+# - programs: 32 x ceil(784 / 32) = 800 per launch, 6 per SM; one program per sample (the previous design) was 32
+#   programs, a quarter of the SMs, each running all 2T half-steps serially.
+# - work: a half-step recomputes B * N^2 = 19.7 M entries of K (Philox Gumbel noise, two logs, one exp): about
+#   100 instructions each, ~2 G instructions, ~70 us at the H200's ~30 T simple instructions/s. That is well above
+#   the few microseconds a launch costs, so 2T + 1 forward and 2T + 2 backward launches (about 5 ms and 8 ms of
+#   GPU time in all) stay compute-bound and a few percent of the 2 S classifier passes they feed (~100 ms for a
+#   ViT-B/16 batch of 32).
+# - registers: a program holds one (_OWN x _STREAM) = 32 x 64 tile, 16 fp32 values per thread per temporary at 4
+#   warps, so Philox and the online logsumexp fit without spills (``python -m kernels.aot`` checks it).
+# Storing the noise once (B * N^2 fp32, 79 MB here) would trade the Philox work for one HBM read per half-step;
+# recomputation keeps the op's memory O(B * N * T) like the reference.
+
+_OWN = 32  # rows (or columns) owned by one program of a row (column) pass
+_STREAM = 64  # width of the tiles a program streams over the other dimension
+_MAX_BLOCK_S = 32  # fractions per mask-accumulation tile; larger S is tiled
+# The mask kernel holds a (fractions x cells) accumulator and a tl.dot operand besides the K tile: 8 warps keep
+# their per-thread share of those tiles in registers (4 warps spill at S = 64).
+_DOT_WARPS = 8
 
 
 @triton.jit
@@ -379,7 +406,10 @@ def _cost_tile(
     inv_tau,
     HAS_NOISE: tl.constexpr,
 ):
-    """K tile (BLOCK_J, BLOCK_I) in fp32; -inf outside the N x N matrix so padded lanes drop out of every sum."""
+    """K tile (BLOCK_J, BLOCK_I) in fp32; -inf outside the N x N matrix so padded lanes drop out of every sum.
+
+    K[j, i] = (-(s_i - a_j)^2 + noise * G[j, i]) / tau, G Philox Gumbel noise at counter j * N + i.
+    """
     mask_j = offs_j < N
     mask_i = offs_i < N
     s = tl.load(s_row + offs_i, mask=mask_i, other=0.0).to(tl.float32)
@@ -392,13 +422,75 @@ def _cost_tile(
     return tl.where(mask_j[:, None] & mask_i[None, :], k, float("-inf"))
 
 
+@triton.jit(do_not_specialize=["t"])
+def _topk_rows_kernel(
+    s_ptr,  # scores, (B, N) fp32 contiguous
+    u_ptr,  # row potentials of every iteration, (B, T, N) fp32; slot t written here
+    v_ptr,  # column potentials of every iteration, (B, T, N) fp32; slot t - 1 read here
+    N,
+    T,
+    t,  # iteration index (runtime, so one compiled kernel serves every iteration)
+    anchor_step,
+    seed,
+    noise,
+    inv_tau,
+    HAS_NOISE: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """Row half-step u_t[j] = -LSE_i(K[j, i] + v_(t-1)[i]) (v_(-1) = 0) for this program's block of rank slots."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_j = tl.program_id(1).to(tl.int64) * BLOCK_J + tl.arange(0, BLOCK_J)
+    s_row = s_ptr + b * N
+    v_prev = v_ptr + b * T * N + (t - 1) * N
+    run_max = tl.full([BLOCK_J], float("-inf"), tl.float32)
+    run_sum = tl.zeros([BLOCK_J], tl.float32)
+    for i0 in range(0, N, BLOCK_I):
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        x = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
+        x += tl.load(v_prev + offs_i, mask=(offs_i < N) & (t > 0), other=0.0)[None, :]
+        run_max, run_sum = _online_lse(run_max, run_sum, x, 1)
+    tl.store(u_ptr + b * T * N + t * N + offs_j, _neg_lse(run_max, run_sum), mask=offs_j < N)
+
+
+@triton.jit(do_not_specialize=["t"])
+def _topk_cols_kernel(
+    s_ptr,  # scores, (B, N) fp32 contiguous
+    u_ptr,  # row potentials, (B, T, N) fp32; slot t read here
+    v_ptr,  # column potentials, (B, T, N) fp32; slot t written here
+    N,
+    T,
+    t,  # iteration index
+    anchor_step,
+    seed,
+    noise,
+    inv_tau,
+    HAS_NOISE: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """Column half-step v_t[i] = -LSE_j(K[j, i] + u_t[j]) for this program's block of cells."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_i = tl.program_id(1).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
+    s_row = s_ptr + b * N
+    u_t = u_ptr + b * T * N + t * N
+    run_max = tl.full([BLOCK_I], float("-inf"), tl.float32)
+    run_sum = tl.zeros([BLOCK_I], tl.float32)
+    for j0 in range(0, N, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        x = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
+        x += tl.load(u_t + offs_j, mask=offs_j < N, other=0.0)[:, None]
+        run_max, run_sum = _online_lse(run_max, run_sum, x, 0)
+    tl.store(v_ptr + b * T * N + t * N + offs_i, _neg_lse(run_max, run_sum), mask=offs_i < N)
+
+
 @triton.jit
-def _soft_topk_fwd_kernel(
+def _topk_masks_kernel(
     s_ptr,  # scores, (B, N) fp32 contiguous
     w_ptr,  # prefix weights W, (S, N) fp32 contiguous
-    u_ptr,  # out: row potentials of every iteration, (B, T, N) fp32
-    v_ptr,  # out: column potentials of every iteration, (B, T, N) fp32
-    m_ptr,  # out: masks, (B, S, N) fp32
+    u_ptr,  # row potentials, (B, T, N) fp32; the last slot is read
+    v_ptr,  # column potentials, (B, T, N) fp32; the last slot is read
+    m_ptr,  # out: masks, (B, S, N) fp32 contiguous
     N,
     S,
     T,
@@ -411,84 +503,61 @@ def _soft_topk_fwd_kernel(
     BLOCK_I: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    """M[s, i] = sum_j W[s, j] P[j, i] for this program's (cells, fractions) block; P = exp(K + u_T + v_T) per tile."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_i = tl.program_id(1).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
+    offs_s = tl.program_id(2).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
     s_row = s_ptr + b * N
-    seed_b = seed + b
-    u_row = u_ptr + b * T * N
-    v_row = v_ptr + b * T * N
-    ar_j = tl.arange(0, BLOCK_J)
-    ar_i = tl.arange(0, BLOCK_I)
-    for t in range(T):
-        # Row half-step: u_t[j] = -LSE_i(K[j, i] + v_(t-1)[i]), v_(-1) = 0; online over column tiles.
-        for j0 in range(0, N, BLOCK_J):
-            offs_j = j0 + ar_j
-            run_max = tl.full([BLOCK_J], float("-inf"), tl.float32)
-            run_sum = tl.zeros([BLOCK_J], tl.float32)
-            for i0 in range(0, N, BLOCK_I):
-                offs_i = i0 + ar_i
-                x = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed_b, noise, inv_tau, HAS_NOISE)
-                x += tl.load(v_row + (t - 1) * N + offs_i, mask=(offs_i < N) & (t > 0), other=0.0)[None, :]
-                new_max = tl.maximum(run_max, tl.max(x, axis=1))
-                safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-                run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(x - safe[:, None]), axis=1)
-                run_max = new_max
-            tl.store(
-                u_row + t * N + offs_j, -(run_max + tl.log(tl.where(run_sum > 0.0, run_sum, 1.0))), mask=offs_j < N
-            )
-        tl.debug_barrier()
-        # Column half-step: v_t[i] = -LSE_j(K[j, i] + u_t[j]); online over row tiles.
-        for i0 in range(0, N, BLOCK_I):
-            offs_i = i0 + ar_i
-            run_max = tl.full([BLOCK_I], float("-inf"), tl.float32)
-            run_sum = tl.zeros([BLOCK_I], tl.float32)
-            for j0 in range(0, N, BLOCK_J):
-                offs_j = j0 + ar_j
-                x = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed_b, noise, inv_tau, HAS_NOISE)
-                x += tl.load(u_row + t * N + offs_j, mask=offs_j < N, other=0.0)[:, None]
-                new_max = tl.maximum(run_max, tl.max(x, axis=0))
-                safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-                run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(x - safe[None, :]), axis=0)
-                run_max = new_max
-            tl.store(
-                v_row + t * N + offs_i, -(run_max + tl.log(tl.where(run_sum > 0.0, run_sum, 1.0))), mask=offs_i < N
-            )
-        tl.debug_barrier()
-    # Masks M = W P, accumulated per column tile: P is formed tile by tile and never written.
-    offs_s = tl.arange(0, BLOCK_S)
-    for i0 in range(0, N, BLOCK_I):
-        offs_i = i0 + ar_i
-        v_last = tl.load(v_row + (T - 1) * N + offs_i, mask=offs_i < N, other=0.0)
-        acc = tl.zeros([BLOCK_S, BLOCK_I], tl.float32)
-        for j0 in range(0, N, BLOCK_J):
-            offs_j = j0 + ar_j
-            k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed_b, noise, inv_tau, HAS_NOISE)
-            u_last = tl.load(u_row + (T - 1) * N + offs_j, mask=offs_j < N, other=0.0)
-            # Entries of a column-normalised plan are <= 1; the clamp guards fp32 rounding at extreme scales.
-            p = tl.exp(tl.minimum(k + u_last[:, None] + v_last[None, :], 0.0))
-            w = tl.load(
-                w_ptr + offs_s[:, None] * N + offs_j[None, :],
-                mask=(offs_s[:, None] < S) & (offs_j[None, :] < N),
-                other=0.0,
-            )
-            acc += tl.dot(w, p, input_precision="ieee")
-        tl.store(
-            m_ptr + b * S * N + offs_s[:, None] * N + offs_i[None, :],
-            acc,
-            mask=(offs_s[:, None] < S) & (offs_i[None, :] < N),
+    last = b * T * N + (T - 1) * N
+    v_last = tl.load(v_ptr + last + offs_i, mask=offs_i < N, other=0.0)
+    acc = tl.zeros([BLOCK_S, BLOCK_I], tl.float32)
+    for j0 in range(0, N, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
+        u_last = tl.load(u_ptr + last + offs_j, mask=offs_j < N, other=0.0)
+        # Entries of a column-normalised plan are <= 1; the clamp guards fp32 rounding at extreme scales.
+        p = tl.exp(tl.minimum(k + u_last[:, None] + v_last[None, :], 0.0))
+        w = tl.load(
+            w_ptr + offs_s[:, None] * N + offs_j[None, :], mask=(offs_s[:, None] < S) & (offs_j[None, :] < N), other=0.0
         )
+        acc += tl.dot(w, p, input_precision="ieee")
+    out_ok = (offs_s[:, None] < S) & (offs_i[None, :] < N)
+    tl.store(m_ptr + b * S * N + offs_s[:, None] * N + offs_i[None, :], acc, mask=out_ok)
 
 
 @triton.jit
-def _soft_topk_bwd_kernel(
+def _direct_tile(
+    w_ptr,  # prefix weights W, (S, N) fp32
+    gm_row,  # this sample's mask gradient, (S, N) fp32
+    offs_j,  # (BLOCK_J,) rank slots
+    offs_i,  # (BLOCK_I,) cells
+    N,
+    S,
+    BLOCK_J: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """dL/dP tile (BLOCK_J, BLOCK_I) = (W^T dM)[j, i], accumulated over fraction tiles of BLOCK_S."""
+    acc = tl.zeros([BLOCK_J, BLOCK_I], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        w_t = tl.load(
+            w_ptr + offs_s[None, :] * N + offs_j[:, None], mask=(offs_s[None, :] < S) & (offs_j[:, None] < N), other=0.0
+        )
+        gm_ok = (offs_s[:, None] < S) & (offs_i[None, :] < N)
+        gm = tl.load(gm_row + offs_s[:, None] * N + offs_i[None, :], mask=gm_ok, other=0.0)
+        acc += tl.dot(w_t, gm, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _topk_bwd_direct_rows_kernel(
     s_ptr,  # scores, (B, N) fp32
     w_ptr,  # prefix weights W, (S, N) fp32
     u_ptr,  # saved row potentials, (B, T, N) fp32
     v_ptr,  # saved column potentials, (B, T, N) fp32
     gm_ptr,  # incoming gradient of the masks, (B, S, N) fp32 contiguous
-    du_ptr,  # scratch: adjoint of the current row potential, (B, N) fp32
-    dv_ptr,  # scratch: adjoint of the current column potential, (B, N) fp32
-    acc_ptr,  # scratch: sum_j dK[j, i] (s_i - a_j), (B, N) fp32
-    ds_ptr,  # out: gradient of the scores, (B, N) fp32
+    du_ptr,  # out: row sums of the direct term R = dL/dP * P, (B, N) fp32
     N,
     S,
     T,
@@ -501,116 +570,157 @@ def _soft_topk_bwd_kernel(
     BLOCK_I: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    """du[j] = sum_i R[j, i] with R = (W^T dM) * P, for this program's block of rank slots."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_j = tl.program_id(1).to(tl.int64) * BLOCK_J + tl.arange(0, BLOCK_J)
     s_row = s_ptr + b * N
-    seed_b = seed + b
-    u_row = u_ptr + b * T * N
-    v_row = v_ptr + b * T * N
-    du_row = du_ptr + b * N
-    dv_row = dv_ptr + b * N
-    acc_row = acc_ptr + b * N
-    ar_j = tl.arange(0, BLOCK_J)
-    ar_i = tl.arange(0, BLOCK_I)
-    offs_s = tl.arange(0, BLOCK_S)
-    last = (T - 1) * N
-    # Direct term R = (W^T dM) * P. Row sums seed du, column sums seed dv and the score accumulator.
+    last = b * T * N + (T - 1) * N
+    u_last = tl.load(u_ptr + last + offs_j, mask=offs_j < N, other=0.0)
+    row = tl.zeros([BLOCK_J], tl.float32)
+    for i0 in range(0, N, BLOCK_I):
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
+        v_last = tl.load(v_ptr + last + offs_i, mask=offs_i < N, other=0.0)
+        p = tl.exp(tl.minimum(k + u_last[:, None] + v_last[None, :], 0.0))
+        g = _direct_tile(w_ptr, gm_ptr + b * S * N, offs_j, offs_i, N, S, BLOCK_J, BLOCK_I, BLOCK_S)
+        row += tl.sum(g * p, axis=1)
+    tl.store(du_ptr + b * N + offs_j, row, mask=offs_j < N)
+
+
+@triton.jit
+def _topk_bwd_direct_cols_kernel(
+    s_ptr,  # scores, (B, N) fp32
+    w_ptr,  # prefix weights W, (S, N) fp32
+    u_ptr,  # saved row potentials, (B, T, N) fp32
+    v_ptr,  # saved column potentials, (B, T, N) fp32
+    gm_ptr,  # incoming gradient of the masks, (B, S, N) fp32 contiguous
+    dv_ptr,  # out: column sums of R, (B, N) fp32
+    acc_ptr,  # out: sum_j R[j, i] (s_i - a_j), the score accumulator, (B, N) fp32
+    N,
+    S,
+    T,
+    anchor_step,
+    seed,
+    noise,
+    inv_tau,
+    HAS_NOISE: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """dv[i] = sum_j R[j, i] and acc[i] = s_i dv[i] - sum_j a_j R[j, i] for this program's block of cells."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_i = tl.program_id(1).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
+    s_row = s_ptr + b * N
+    last = b * T * N + (T - 1) * N
+    s = tl.load(s_row + offs_i, mask=offs_i < N, other=0.0)
+    v_last = tl.load(v_ptr + last + offs_i, mask=offs_i < N, other=0.0)
+    col = tl.zeros([BLOCK_I], tl.float32)
+    col_a = tl.zeros([BLOCK_I], tl.float32)
     for j0 in range(0, N, BLOCK_J):
-        offs_j = j0 + ar_j
-        u_last = tl.load(u_row + last + offs_j, mask=offs_j < N, other=0.0)
-        w_t = tl.load(
-            w_ptr + offs_s[None, :] * N + offs_j[:, None], mask=(offs_s[None, :] < S) & (offs_j[:, None] < N), other=0.0
-        )
-        row = tl.zeros([BLOCK_J], tl.float32)
-        for i0 in range(0, N, BLOCK_I):
-            offs_i = i0 + ar_i
-            k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed_b, noise, inv_tau, HAS_NOISE)
-            v_last = tl.load(v_row + last + offs_i, mask=offs_i < N, other=0.0)
-            p = tl.exp(tl.minimum(k + u_last[:, None] + v_last[None, :], 0.0))
-            gm = tl.load(
-                gm_ptr + b * S * N + offs_s[:, None] * N + offs_i[None, :],
-                mask=(offs_s[:, None] < S) & (offs_i[None, :] < N),
-                other=0.0,
-            )
-            row += tl.sum(tl.dot(w_t, gm, input_precision="ieee") * p, axis=1)
-        tl.store(du_row + offs_j, row, mask=offs_j < N)
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
+        u_last = tl.load(u_ptr + last + offs_j, mask=offs_j < N, other=0.0)
+        g = _direct_tile(w_ptr, gm_ptr + b * S * N, offs_j, offs_i, N, S, BLOCK_J, BLOCK_I, BLOCK_S)
+        r = g * tl.exp(tl.minimum(k + u_last[:, None] + v_last[None, :], 0.0))
+        a = 1.0 - offs_j.to(tl.float32) * anchor_step
+        col += tl.sum(r, axis=0)
+        col_a += tl.sum(r * a[:, None], axis=0)
+    tl.store(dv_ptr + b * N + offs_i, col, mask=offs_i < N)
+    tl.store(acc_ptr + b * N + offs_i, s * col - col_a, mask=offs_i < N)
+
+
+@triton.jit(do_not_specialize=["t"])
+def _topk_bwd_rows_kernel(
+    s_ptr,  # scores, (B, N) fp32
+    u_ptr,  # saved row potentials, (B, T, N) fp32
+    v_ptr,  # saved column potentials, (B, T, N) fp32
+    du_ptr,  # adjoint of u_t, (B, N) fp32: the direct row sums on entry at t = T - 1, overwritten
+    dv_ptr,  # adjoint of v_t, (B, N) fp32, read
+    N,
+    T,
+    t,  # iteration index
+    anchor_step,
+    seed,
+    noise,
+    inv_tau,
+    HAS_NOISE: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """v-step adjoint, rows: du_t[j] = [t = T - 1] du[j] - sum_i Q[j, i] dv_t[i], Q = exp(K + u_t + v_t)."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_j = tl.program_id(1).to(tl.int64) * BLOCK_J + tl.arange(0, BLOCK_J)
+    s_row = s_ptr + b * N
+    pot = b * T * N + t * N
+    u_t = tl.load(u_ptr + pot + offs_j, mask=offs_j < N, other=0.0)
+    row = tl.zeros([BLOCK_J], tl.float32)
     for i0 in range(0, N, BLOCK_I):
-        offs_i = i0 + ar_i
-        s = tl.load(s_row + offs_i, mask=offs_i < N, other=0.0)
-        v_last = tl.load(v_row + last + offs_i, mask=offs_i < N, other=0.0)
-        gm = tl.load(
-            gm_ptr + b * S * N + offs_s[:, None] * N + offs_i[None, :],
-            mask=(offs_s[:, None] < S) & (offs_i[None, :] < N),
-            other=0.0,
-        )
-        col = tl.zeros([BLOCK_I], tl.float32)
-        col_a = tl.zeros([BLOCK_I], tl.float32)
-        for j0 in range(0, N, BLOCK_J):
-            offs_j = j0 + ar_j
-            k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed_b, noise, inv_tau, HAS_NOISE)
-            u_last = tl.load(u_row + last + offs_j, mask=offs_j < N, other=0.0)
-            w_t = tl.load(
-                w_ptr + offs_s[None, :] * N + offs_j[:, None],
-                mask=(offs_s[None, :] < S) & (offs_j[:, None] < N),
-                other=0.0,
-            )
-            r = tl.dot(w_t, gm, input_precision="ieee") * tl.exp(tl.minimum(k + u_last[:, None] + v_last[None, :], 0.0))
-            a = 1.0 - offs_j.to(tl.float32) * anchor_step
-            col += tl.sum(r, axis=0)
-            col_a += tl.sum(r * a[:, None], axis=0)
-        tl.store(dv_row + offs_i, col, mask=offs_i < N)
-        tl.store(acc_row + offs_i, s * col - col_a, mask=offs_i < N)
-    tl.debug_barrier()
-    for step in range(T):
-        t = T - 1 - step
-        # v-step, row pass: du_t[j] = (direct if t is last else 0) - sum_i Q[j, i] dv_t[i], Q = exp(K + u_t + v_t).
-        for j0 in range(0, N, BLOCK_J):
-            offs_j = j0 + ar_j
-            u_t = tl.load(u_row + t * N + offs_j, mask=offs_j < N, other=0.0)
-            row = tl.zeros([BLOCK_J], tl.float32)
-            for i0 in range(0, N, BLOCK_I):
-                offs_i = i0 + ar_i
-                k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed_b, noise, inv_tau, HAS_NOISE)
-                v_t = tl.load(v_row + t * N + offs_i, mask=offs_i < N, other=0.0)
-                dv = tl.load(dv_row + offs_i, mask=offs_i < N, other=0.0)
-                q = tl.exp(tl.minimum(k + u_t[:, None] + v_t[None, :], 0.0))
-                row += tl.sum(q * dv[None, :], axis=1)
-            base = tl.load(du_row + offs_j, mask=offs_j < N, other=0.0)
-            base = tl.where(step == 0, base, 0.0)
-            tl.store(du_row + offs_j, base - row, mask=offs_j < N)
-        tl.debug_barrier()
-        # Column pass: the v-step's dK term, then the u-step (Q' = exp(K + u_t + v_(t-1))) and dv_(t-1) = -Q'^T du_t.
-        for i0 in range(0, N, BLOCK_I):
-            offs_i = i0 + ar_i
-            s = tl.load(s_row + offs_i, mask=offs_i < N, other=0.0)
-            v_t = tl.load(v_row + t * N + offs_i, mask=offs_i < N, other=0.0)
-            v_prev = tl.load(v_row + (t - 1) * N + offs_i, mask=(offs_i < N) & (t > 0), other=0.0)
-            q_col = tl.zeros([BLOCK_I], tl.float32)
-            q_col_a = tl.zeros([BLOCK_I], tl.float32)
-            qp_du = tl.zeros([BLOCK_I], tl.float32)
-            qp_du_a = tl.zeros([BLOCK_I], tl.float32)
-            for j0 in range(0, N, BLOCK_J):
-                offs_j = j0 + ar_j
-                k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed_b, noise, inv_tau, HAS_NOISE)
-                u_t = tl.load(u_row + t * N + offs_j, mask=offs_j < N, other=0.0)
-                du = tl.load(du_row + offs_j, mask=offs_j < N, other=0.0)
-                a = 1.0 - offs_j.to(tl.float32) * anchor_step
-                x = k + u_t[:, None]
-                q = tl.exp(tl.minimum(x + v_t[None, :], 0.0))
-                qp = tl.exp(tl.minimum(x + v_prev[None, :], 0.0))
-                q_col += tl.sum(q, axis=0)
-                q_col_a += tl.sum(q * a[:, None], axis=0)
-                qp_du += tl.sum(qp * du[:, None], axis=0)
-                qp_du_a += tl.sum(qp * (du * a)[:, None], axis=0)
-            dv = tl.load(dv_row + offs_i, mask=offs_i < N, other=0.0)
-            acc = tl.load(acc_row + offs_i, mask=offs_i < N, other=0.0)
-            acc = acc - dv * (s * q_col - q_col_a) - (s * qp_du - qp_du_a)
-            tl.store(acc_row + offs_i, acc, mask=offs_i < N)
-            tl.store(dv_row + offs_i, -qp_du, mask=offs_i < N)
-        tl.debug_barrier()
-    for i0 in range(0, N, BLOCK_I):
-        offs_i = i0 + ar_i
-        acc = tl.load(acc_row + offs_i, mask=offs_i < N, other=0.0)
-        tl.store(ds_ptr + b * N + offs_i, acc * (-2.0 * inv_tau), mask=offs_i < N)
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
+        v_t = tl.load(v_ptr + pot + offs_i, mask=offs_i < N, other=0.0)
+        dv = tl.load(dv_ptr + b * N + offs_i, mask=offs_i < N, other=0.0)
+        q = tl.exp(tl.minimum(k + u_t[:, None] + v_t[None, :], 0.0))
+        row += tl.sum(q * dv[None, :], axis=1)
+    base = tl.load(du_ptr + b * N + offs_j, mask=(offs_j < N) & (t == T - 1), other=0.0)
+    tl.store(du_ptr + b * N + offs_j, base - row, mask=offs_j < N)
+
+
+@triton.jit(do_not_specialize=["t"])
+def _topk_bwd_cols_kernel(
+    s_ptr,  # scores, (B, N) fp32
+    u_ptr,  # saved row potentials, (B, T, N) fp32
+    v_ptr,  # saved column potentials, (B, T, N) fp32
+    du_ptr,  # adjoint of u_t, (B, N) fp32, read
+    dv_ptr,  # adjoint of v_t on entry, of v_(t-1) on exit, (B, N) fp32
+    acc_ptr,  # score accumulator sum_j dK[j, i] (s_i - a_j), (B, N) fp32
+    ds_ptr,  # out at t = 0: gradient of the scores, (B, N) fp32
+    N,
+    T,
+    t,  # iteration index
+    anchor_step,
+    seed,
+    noise,
+    inv_tau,
+    HAS_NOISE: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """Columns: the v-step's dK term, then the u-step (Q' = exp(K + u_t + v_(t-1))) and dv_(t-1) = -Q'^T du_t.
+
+    acc[i] -= dv_t[i] (s_i colsum(Q) - sum_j a_j Q[j, i]) + (s_i (Q'^T du)[i] - (Q'^T (du * a))[i]); at t = 0 the
+    program also writes ds = -2 / tau * acc.
+    """
+    b = tl.program_id(0).to(tl.int64)
+    offs_i = tl.program_id(1).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
+    s_row = s_ptr + b * N
+    pot = b * T * N + t * N
+    s = tl.load(s_row + offs_i, mask=offs_i < N, other=0.0)
+    v_t = tl.load(v_ptr + pot + offs_i, mask=offs_i < N, other=0.0)
+    v_prev = tl.load(v_ptr + pot - N + offs_i, mask=(offs_i < N) & (t > 0), other=0.0)
+    q_col = tl.zeros([BLOCK_I], tl.float32)
+    q_col_a = tl.zeros([BLOCK_I], tl.float32)
+    qp_du = tl.zeros([BLOCK_I], tl.float32)
+    qp_du_a = tl.zeros([BLOCK_I], tl.float32)
+    for j0 in range(0, N, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
+        u_t = tl.load(u_ptr + pot + offs_j, mask=offs_j < N, other=0.0)
+        du = tl.load(du_ptr + b * N + offs_j, mask=offs_j < N, other=0.0)
+        a = 1.0 - offs_j.to(tl.float32) * anchor_step
+        x = k + u_t[:, None]
+        q = tl.exp(tl.minimum(x + v_t[None, :], 0.0))
+        qp = tl.exp(tl.minimum(x + v_prev[None, :], 0.0))
+        q_col += tl.sum(q, axis=0)
+        q_col_a += tl.sum(q * a[:, None], axis=0)
+        qp_du += tl.sum(qp * du[:, None], axis=0)
+        qp_du_a += tl.sum(qp * (du * a)[:, None], axis=0)
+    dv = tl.load(dv_ptr + b * N + offs_i, mask=offs_i < N, other=0.0)
+    acc = tl.load(acc_ptr + b * N + offs_i, mask=offs_i < N, other=0.0)
+    acc = acc - dv * (s * q_col - q_col_a) - (s * qp_du - qp_du_a)
+    tl.store(acc_ptr + b * N + offs_i, acc, mask=offs_i < N)
+    tl.store(dv_ptr + b * N + offs_i, -qp_du, mask=offs_i < N)
+    tl.store(ds_ptr + b * N + offs_i, acc * (-2.0 * inv_tau), mask=(offs_i < N) & (t == 0))
 
 
 @triton.jit
@@ -620,16 +730,14 @@ def _gumbel_fill_kernel(
     seed,
     BLOCK: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    blk = tl.program_id(1)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     tl.store(g_ptr + b * N * N + offs, _gumbel(seed + b, offs), mask=offs < N * N)
 
 
-def _blocks(n: int, s: int) -> tuple[int, int, int]:
-    # tl.dot needs every dimension >= 16; 64 x 64 fp32 tiles keep a program's working set in registers.
-    block = max(16, min(64, triton.next_power_of_2(n)))
-    return block, block, max(16, triton.next_power_of_2(s))
+def _block_s(n_frac: int) -> int:
+    # tl.dot needs every dimension >= 16; more than _MAX_BLOCK_S fractions are tiled (grid axis 2, or a loop).
+    return max(16, min(_MAX_BLOCK_S, triton.next_power_of_2(n_frac)))
 
 
 def _anchor_step(n: int) -> float:
@@ -646,10 +754,19 @@ def _soft_topk_fwd_op(
     masks = scores.new_empty(bsz, n_frac, n)
     us = scores.new_empty(bsz, n_iters, n)
     vs = scores.new_empty(bsz, n_iters, n)
-    block_j, block_i, block_s = _blocks(n, n_frac)
-    torch.library.wrap_triton(_soft_topk_fwd_kernel)[(bsz,)](
-        scores, weights, us, vs, masks, n, n_frac, n_iters, _anchor_step(n), seed, noise, 1.0 / tau,
-        HAS_NOISE=noise > 0, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_S=block_s,
+    if bsz == 0:
+        return masks, us, vs
+    consts = dict(HAS_NOISE=noise > 0, BLOCK_J=_OWN, BLOCK_I=_STREAM)
+    cols = dict(HAS_NOISE=noise > 0, BLOCK_J=_STREAM, BLOCK_I=_OWN)
+    grid = (bsz, triton.cdiv(n, _OWN))
+    step, inv_tau = _anchor_step(n), 1.0 / tau
+    for t in range(n_iters):
+        wrap_triton(_topk_rows_kernel)[grid](scores, us, vs, n, n_iters, t, step, seed, noise, inv_tau, **consts)
+        wrap_triton(_topk_cols_kernel)[grid](scores, us, vs, n, n_iters, t, step, seed, noise, inv_tau, **cols)
+    block_s = _block_s(n_frac)
+    wrap_triton(_topk_masks_kernel)[(bsz, triton.cdiv(n, _OWN), triton.cdiv(n_frac, block_s))](
+        scores, weights, us, vs, masks, n, n_frac, n_iters, step, seed, noise, inv_tau, BLOCK_S=block_s,
+        num_warps=_DOT_WARPS, **cols,
     )  # fmt: skip
     return masks, us, vs
 
@@ -667,15 +784,37 @@ def _soft_topk_bwd_op(
 ) -> torch.Tensor:
     """Fused backward: d loss / d scores (B, N) fp32 from the mask gradient (B, S, N) and the saved potentials."""
     bsz, n = scores.shape
-    n_frac = weights.shape[0]
-    scratch = scores.new_empty(3, bsz, n)
+    n_frac, n_iters = weights.shape[0], us.shape[1]
     grad = torch.empty_like(scores)
-    block_j, block_i, block_s = _blocks(n, n_frac)
-    torch.library.wrap_triton(_soft_topk_bwd_kernel)[(bsz,)](
-        scores, weights, us, vs, grad_masks, scratch[0], scratch[1], scratch[2], grad,
-        n, n_frac, us.shape[1], _anchor_step(n), seed, noise, 1.0 / tau,
-        HAS_NOISE=noise > 0, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_S=block_s,
-    )  # fmt: skip
+    if bsz == 0:
+        return grad
+    du, dv, acc = scores.new_empty(3, bsz, n).unbind(0)
+    rows = dict(HAS_NOISE=noise > 0, BLOCK_J=_OWN, BLOCK_I=_STREAM)
+    cols = dict(HAS_NOISE=noise > 0, BLOCK_J=_STREAM, BLOCK_I=_OWN)
+    grid = (bsz, triton.cdiv(n, _OWN))
+    # The direct-term kernels loop over fractions in tiles of 16, whatever S is (a loop costs nothing extra here).
+    step, inv_tau, block_s = _anchor_step(n), 1.0 / tau, 16
+    direct = (scores, weights, us, vs, grad_masks)
+    # The direct terms also hold a (W^T dM) tile from tl.dot: they own 32 rows (columns) and stream 16 columns
+    # (rows) at a time, at 4 warps. This is the configuration without spills on both sm_80 and sm_90 for every N
+    # and S checked; 32 x 32 tiles, or 8 warps, spilled a few bytes on one of the two (ptxas' choices, measured
+    # with ``python -m kernels.aot``).
+    thin = 16
+    rows_d = dict(HAS_NOISE=noise > 0, BLOCK_J=_OWN, BLOCK_I=thin, BLOCK_S=block_s)
+    cols_d = dict(HAS_NOISE=noise > 0, BLOCK_J=thin, BLOCK_I=_OWN, BLOCK_S=block_s)
+    wrap_triton(_topk_bwd_direct_rows_kernel)[grid](
+        *direct, du, n, n_frac, n_iters, step, seed, noise, inv_tau, **rows_d
+    )
+    wrap_triton(_topk_bwd_direct_cols_kernel)[grid](
+        *direct, dv, acc, n, n_frac, n_iters, step, seed, noise, inv_tau, **cols_d
+    )
+    for t in range(n_iters - 1, -1, -1):
+        wrap_triton(_topk_bwd_rows_kernel)[grid](
+            scores, us, vs, du, dv, n, n_iters, t, step, seed, noise, inv_tau, **rows
+        )
+        wrap_triton(_topk_bwd_cols_kernel)[grid](
+            scores, us, vs, du, dv, acc, grad, n, n_iters, t, step, seed, noise, inv_tau, **cols
+        )
     return grad
 
 

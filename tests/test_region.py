@@ -146,6 +146,28 @@ def test_soft_mask_blend_fused_matches_reference(
         assert_close(o.double(), e, **tol("soft_mask_blend", dtype), msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("n_masks,dtype", [(33, FP32), (70, FP32), (70, FP16)])
+def test_soft_mask_blend_fused_tiles_many_masks(n_masks: int, dtype: torch.dtype) -> None:
+    """More masks than one program's block: the forward tiles S over the grid, the backward sums dx, dr over blocks."""
+    b, c, h, w, g = 2, 2, 9, 7, 3
+    x, r = torch.randn(b, c, h, w, dtype=dtype), torch.randn(b, c, h, w, dtype=dtype)
+    masks = torch.rand(b, n_masks, g, g, dtype=dtype)
+    grad = torch.randn(b, n_masks, c, h, w, dtype=dtype)
+    expected, got = _blend_both([x, r, masks], grad, OFFSET)
+    for name, e, o in zip(("out", "dx", "dr", "dmasks"), expected, got, strict=True):
+        assert o.dtype == dtype and o.shape == e.shape, name
+        assert_close(o.double(), e, **tol("soft_mask_blend", dtype), msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_soft_mask_blend_refuses_too_many_masks() -> None:
+    from kernels.region import MAX_BLEND_MASKS
+
+    x = torch.zeros(1, 1, 2, 2)
+    masks = torch.zeros(1, MAX_BLEND_MASKS + 1, 1, 1).expand(1, -1, 1, 1)
+    with pytest.raises(ValueError, match=f"1 to {MAX_BLEND_MASKS} masks"):
+        soft_mask_blend(x, x, masks)
+
+
 def test_soft_mask_blend_fused_strided_inputs() -> None:
     """A shared baseline expanded over the batch (stride 0) and a non-contiguous image view."""
     b, c, h, w, g = 3, 2, 8, 11, 3
@@ -261,7 +283,7 @@ _BAD_BLEND = [
     (lambda: soft_mask_blend(_X, _R, _M[0]), "masks must have 4 dimensions"),
     (lambda: soft_mask_blend(_X, _R, _M.long()), "masks must be float"),
     (lambda: soft_mask_blend(_X, _R, _M[:1]), "masks must have x's batch size 2"),
-    (lambda: soft_mask_blend(_X, _R, _M[:, :0]), "at least one mask"),
+    (lambda: soft_mask_blend(_X, _R, _M[:, :0]), "1 to 65536 masks"),
     (lambda: soft_mask_blend(_X, _R, _M[..., :2]), "square grid"),
     (lambda: soft_mask_blend(_X, _R, torch.zeros(2, 4, 6, 6)), r"masks grid size must be <= min\(H, W\) = 5"),
     (lambda: soft_mask_blend(_X, _R, torch.full((2, 4, 3, 3), float("nan"))), "masks contains NaN"),

@@ -83,7 +83,7 @@ def test_reference_chunked_matches_unchunked(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.parametrize("dtype", [FP32, FP16, BF16], ids=str)
-@pytest.mark.parametrize("n", [1, 7, 33, 130])
+@pytest.mark.parametrize("n", [1, 7, 33, 65, 130])
 def test_triton_matches_eager(n: int, dtype: torch.dtype) -> None:
     la, g = torch.randn(2, n, n).to(dtype), torch.randn(2, n, n).to(dtype)
     _check_against_eager("triton", la, g, 3, 0.7, dtype)
