@@ -123,7 +123,7 @@ def list_inputs(src: Path, fmt: str) -> tuple[list[Item], Any]:
         rel = [(p.relative_to(src), label) for p, label in reader.samples]
     else:
         # A one-file "folder": the reader lists the parent (cheaply, nothing decoded) and is pointed at the file.
-        reader = ImageFolderDataset(src.parent, extensions=(src.suffix or ".",))
+        reader = ImageFolderDataset(src.parent, extensions=(src.suffix or ".",), include_unclassified=True)
         reader.samples = [(src, -1)]
         rel = [(Path(src.name), -1)]
     stems = Counter(r.with_suffix("") for r, _ in rel)
