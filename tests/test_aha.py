@@ -260,6 +260,12 @@ def test_checkpoints_keep_the_last_two_whole_directories_and_a_pointer(tmp_path)
     assert all(sorted(q.name for q in (tmp_path / "checkpoints" / n).iterdir()) == [
         "config.json", "explainer.safetensors", "trainer.safetensors"] for n in names)  # fmt: skip
     assert checkpoint_dir(tmp_path) == tmp_path / "checkpoints" / "step-00000008"
+    # A newest checkpoint damaged after the fact: resuming falls back to the one before, saying so.
+    (tmp_path / "checkpoints" / "step-00000008" / "trainer.safetensors").write_bytes(b"damaged")
+    again = AHA(colour_classifier(), AHAConfig(**FAST))
+    with pytest.warns(UserWarning, match="resuming from .*step-00000006: newer checkpoint"):
+        again.fit(_Pairs(x, y), epochs=2, batch_size=2, progress=False, checkpoint_dir=tmp_path, resume=tmp_path)
+    assert again.steps_trained == 8
     # A pointer may only name a step directory of its own checkpoint, never another file.
     (tmp_path / "config.json").write_text('{"checkpoint": "../elsewhere"}')
     with pytest.raises(ValueError, match="must name a checkpoints/step-N directory"):
