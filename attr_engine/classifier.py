@@ -268,9 +268,19 @@ class Classifier(nn.Module):
         Raises:
             ValueError: if ``x`` is not a finite floating-point ``(B, 3, H, W)`` tensor (when ``validate_inputs``).
         """
+        return self._logits(x, finite=True)
+
+    def forward_trusted(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` without the check that reads ``x`` (finiteness): for engine loops (training steps,
+        metric chunks) whose images were validated once at their entry point. On a GPU that check is a host-device
+        synchronisation per call; shapes, channels and devices are still checked. ``x: (B, 3, H, W)`` -> ``(B, K)``.
+        """
+        return self._logits(x, finite=False)
+
+    def _logits(self, x: torch.Tensor, *, finite: bool) -> torch.Tensor:
         if self.validate_inputs:
             check_device(x, self)
-            check_tensor(x, "x", ndim=4, finite=True)
+            check_tensor(x, "x", ndim=4, finite=finite)
             if x.shape[1] != 3:
                 raise ValueError(f"x must be RGB images (B, 3, H, W), got {x.shape[1]} channels: {tuple(x.shape)}")
         dtype = input_dtype(self._model)

@@ -149,56 +149,133 @@ def _region_pool_reference(amap: Tensor, grid: _Grid) -> Tensor:
     return _reduce_cells(amap.to(acc), grid.means[acc]).to(amap.dtype)
 
 
-class _BlendReference(torch.autograd.Function):
-    """``x + up(m_s) * (r - x)`` for every mask, saving only the inputs (not the upsampled masks nor r - x).
+def _blend_reference_forward(x: Tensor, reference: Tensor, masks: Tensor, grid: _Grid) -> Tensor:
+    """``x + up(m_s) * (r - x)`` for every mask: (B, S, C, H, W); the backward saves only the inputs.
 
-    Memory: forward writes the (B, S, C, H, W) output once, with one (B, S, H, W) upsampled mask as its only
-    temporary (plus one float32 (B, C, H, W) slice at a time for half inputs). Backward recomputes the upsampled
-    masks and r - x and works one channel at a time, so its temporaries are (B, S, H, W)-sized (1 / C of the
-    output). The naive broadcast formulation keeps the upsampled masks for autograd and creates several
-    output-sized temporaries in both directions.
+    Memory: writes the (B, S, C, H, W) output once, with one (B, S, H, W) upsampled mask as its only temporary (plus
+    one float32 (B, C, H, W) slice at a time for half inputs). The naive broadcast formulation keeps the upsampled
+    masks for autograd and creates several output-sized temporaries in both directions.
     """
+    acc = _acc_dtype(x.dtype)
+    xa, ra = x.to(acc), reference.to(acc)
+    up = _upsample(masks.to(acc), grid)  # (B, S, H, W)
+    b, c, h, w = x.shape
+    out = torch.empty((b, up.shape[1], c, h, w), dtype=x.dtype, device=x.device)
+    # lerp switches to r - (r - x) * (1 - m) for m >= 0.5, so m = 0 gives x and m = 1 gives r exactly.
+    if acc == x.dtype:
+        torch.lerp(xa[:, None], ra[:, None], up[:, :, None], out=out)
+    else:
+        for s in range(up.shape[1]):
+            out[:, s].copy_(torch.lerp(xa, ra, up[:, s, None]))
+    return out
 
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, reference: Tensor, masks: Tensor, grid: _Grid) -> Tensor:
-        ctx.save_for_backward(x, reference, masks)
-        ctx.grid = grid
-        acc = _acc_dtype(x.dtype)
-        xa, ra = x.to(acc), reference.to(acc)
-        up = _upsample(masks.to(acc), grid)  # (B, S, H, W)
-        b, c, h, w = x.shape
-        out = torch.empty((b, up.shape[1], c, h, w), dtype=x.dtype, device=x.device)
-        # lerp switches to r - (r - x) * (1 - m) for m >= 0.5, so m = 0 gives x and m = 1 gives r exactly.
-        if acc == x.dtype:
-            torch.lerp(xa[:, None], ra[:, None], up[:, :, None], out=out)
-        else:
-            for s in range(up.shape[1]):
-                out[:, s].copy_(torch.lerp(xa, ra, up[:, s, None]))
-        return out
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        x, reference, masks = ctx.saved_tensors
-        grid: _Grid = ctx.grid
-        acc = _acc_dtype(x.dtype)
-        up = _upsample(masks.to(acc), grid)  # (B, S, H, W)
-        diff = reference.to(acc) - x.to(acc)
-        need_x, need_r, need_m = ctx.needs_input_grad[:3]
-        dr = torch.empty_like(diff)
-        dup = torch.zeros_like(up) if need_m else None
-        for c in range(x.shape[1]):
-            g_c = grad_out[:, :, c].to(acc)  # (B, S, H, W)
-            torch.sum(g_c * up, 1, out=dr[:, c])
-            if dup is not None:
-                dup.addcmul_(g_c, diff[:, c, None])
-        dx = grad_out.sum(1, dtype=acc).sub_(dr) if need_x else None  # sum_s g_s * (1 - m_s)
-        return (
-            None if dx is None else dx.to(x.dtype),
-            dr.to(reference.dtype) if need_r else None,
-            None if dup is None else _reduce_cells(dup, grid.sums[acc]).to(masks.dtype),
-            None,
-        )
+def _blend_reference_backward(
+    grad_out: Tensor, x: Tensor, reference: Tensor, masks: Tensor, grid: _Grid, need_masks: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(dx, dr, dmasks or None). Recomputes the upsampled masks and r - x and works one channel at a time, so its
+    temporaries are (B, S, H, W)-sized (1 / C of the output)."""
+    acc = _acc_dtype(x.dtype)
+    up = _upsample(masks.to(acc), grid)  # (B, S, H, W)
+    diff = reference.to(acc) - x.to(acc)
+    dr = torch.empty_like(diff)
+    dup = torch.zeros_like(up) if need_masks else None
+    for c in range(x.shape[1]):
+        g_c = grad_out[:, :, c].to(acc)  # (B, S, H, W)
+        torch.sum(g_c * up, 1, out=dr[:, c])
+        if dup is not None:
+            dup.addcmul_(g_c, diff[:, c, None])
+    dx = grad_out.sum(1, dtype=acc).sub_(dr)  # sum_s g_s * (1 - m_s)
+    dm = None if dup is None else _reduce_cells(dup, grid.sums[acc]).to(masks.dtype)
+    return dx.to(x.dtype), dr.to(reference.dtype), dm
+
+
+# The references registered as ops, like the Triton paths: torch.compile sees one opaque node each instead of the
+# geometry's host-side set-up (cached per shape), and fullgraph=True traces the ops' callers.
+
+
+@torch.library.custom_op("attr_engine::region_pool_reference", mutates_args=())
+def _region_pool_reference_op(amap: Tensor, g: int, oy: float, ox: float) -> Tensor:
+    return _region_pool_reference(amap, _grid(amap.shape[1], amap.shape[2], g, oy, ox, amap.device))
+
+
+@_region_pool_reference_op.register_fake
+def _(amap: Tensor, g: int, oy: float, ox: float) -> Tensor:
+    return amap.new_empty(amap.shape[0], g, g)
+
+
+@torch.library.custom_op("attr_engine::region_pool_reference_backward", mutates_args=())
+def _region_pool_reference_backward_op(grad: Tensor, h: int, w: int, oy: float, ox: float) -> Tensor:
+    """Each pixel receives its cell's gradient / area: ``row_mean^T @ grad @ col_mean^T``, (B, g, g) -> (B, H, W)."""
+    geo = _grid(h, w, grad.shape[-1], oy, ox, grad.device)
+    acc = _acc_dtype(grad.dtype)
+    row_mean, col_mean = geo.means[acc]
+    return (row_mean.T @ grad.to(acc) @ col_mean.T).to(grad.dtype)
+
+
+@_region_pool_reference_backward_op.register_fake
+def _(grad: Tensor, h: int, w: int, oy: float, ox: float) -> Tensor:
+    return grad.new_empty(grad.shape[0], h, w)
+
+
+def _region_pool_reference_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    amap, _, oy, ox = inputs
+    ctx.hw, ctx.offset = amap.shape[1:], (oy, ox)
+
+
+def _region_pool_reference_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    dmap = torch.ops.attr_engine.region_pool_reference_backward(grad, *ctx.hw, *ctx.offset)
+    return dmap, None, None, None
+
+
+_region_pool_reference_op.register_autograd(_region_pool_reference_backward, setup_context=_region_pool_reference_setup)
+
+
+@torch.library.custom_op("attr_engine::soft_mask_blend_reference", mutates_args=())
+def _soft_mask_blend_reference_op(x: Tensor, reference: Tensor, masks: Tensor, oy: float, ox: float) -> Tensor:
+    geo = _grid(x.shape[2], x.shape[3], masks.shape[2], oy, ox, x.device)
+    return _blend_reference_forward(x, reference, masks, geo)
+
+
+@_soft_mask_blend_reference_op.register_fake
+def _(x: Tensor, reference: Tensor, masks: Tensor, oy: float, ox: float) -> Tensor:
+    b, c, h, w = x.shape
+    return x.new_empty(b, masks.shape[1], c, h, w)
+
+
+@torch.library.custom_op("attr_engine::soft_mask_blend_reference_backward", mutates_args=())
+def _soft_mask_blend_reference_backward_op(
+    grad: Tensor, x: Tensor, reference: Tensor, masks: Tensor, oy: float, ox: float, need_masks: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    geo = _grid(x.shape[2], x.shape[3], masks.shape[2], oy, ox, x.device)
+    dx, dr, dm = _blend_reference_backward(grad, x, reference, masks, geo, need_masks)
+    return dx, dr, dm if dm is not None else masks.new_empty(0)
+
+
+@_soft_mask_blend_reference_backward_op.register_fake
+def _(grad: Tensor, x: Tensor, reference: Tensor, masks: Tensor, oy: float, ox: float, need_masks: bool) -> tuple:
+    dm = torch.empty_like(masks) if need_masks else masks.new_empty(0)
+    return torch.empty_like(x), torch.empty(x.shape, dtype=reference.dtype, device=x.device), dm
+
+
+def _soft_mask_blend_reference_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    x, reference, masks, oy, ox = inputs
+    ctx.save_for_backward(x, reference, masks)
+    ctx.offset = (oy, ox)
+
+
+def _soft_mask_blend_reference_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    x, reference, masks = ctx.saved_tensors
+    need_x, need_r, need_m = ctx.needs_input_grad[:3]
+    dx, dr, dm = torch.ops.attr_engine.soft_mask_blend_reference_backward(
+        grad, x, reference, masks, *ctx.offset, bool(need_m)
+    )
+    return dx if need_x else None, dr if need_r else None, dm if need_m else None, None, None
+
+
+_soft_mask_blend_reference_op.register_autograd(
+    _soft_mask_blend_reference_backward, setup_context=_soft_mask_blend_reference_setup
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -547,15 +624,17 @@ def region_pool(amap: Tensor, grid: int, offset: Sequence[float] = (0.0, 0.0)) -
     _, h, w = amap.shape
     g = _check_grid(grid, h, w, "grid")
     oy, ox = check_offset(offset)
-    geo = _grid(h, w, g, oy, ox, amap.device)
     if use_triton(amap):
+        geo = _grid(h, w, g, oy, ox, amap.device)
         return torch.ops.attr_engine.region_pool(
             amap, geo.rows, geo.cols, geo.row_start, geo.col_start, g, _cell_block(geo.max_area)
         )
-    return _region_pool_reference(amap, geo)
+    return torch.ops.attr_engine.region_pool_reference(amap, g, oy, ox)
 
 
-def soft_mask_blend(x: Tensor, reference: Tensor, masks: Tensor, offset: Sequence[float] = (0.0, 0.0)) -> Tensor:
+def soft_mask_blend(
+    x: Tensor, reference: Tensor, masks: Tensor, offset: Sequence[float] = (0.0, 0.0), *, validate: bool = True
+) -> Tensor:
     """Blend each image towards its reference under S grid masks: ``out[b, s] = x + up(m_s) * (reference - x)``.
 
     Args:
@@ -565,6 +644,8 @@ def soft_mask_blend(x: Tensor, reference: Tensor, masks: Tensor, offset: Sequenc
         masks: (B, S, g, g) finite soft masks (any float dtype; arithmetic in float32, float64 for float64 ``x``),
             with 1 <= g <= min(H, W); ``up`` is nearest upsampling onto the same cells as :func:`region_pool`.
         offset: (oy, ox) grid offset, each in [0, 1), as in :func:`region_pool`.
+        validate: also check that the masks are finite. That check reads them, a host-device synchronisation on a
+            GPU: engine loops validate once at their entry point and pass False.
 
     Returns:
         (B, S, C, H, W) in ``x``'s dtype. For finite x and reference, a mask value of exactly 0 returns x and
@@ -590,14 +671,14 @@ def soft_mask_blend(x: Tensor, reference: Tensor, masks: Tensor, offset: Sequenc
     if masks.shape[2] != masks.shape[3]:
         raise ValueError(f"masks must be (B, S, g, g) on a square grid, got shape {tuple(masks.shape)}")
     g = _check_grid(masks.shape[2], h, w, "masks grid size")
-    check_tensor(masks, "masks", finite=True)
+    check_tensor(masks, "masks", finite=validate)
     oy, ox = check_offset(offset)
-    geo = _grid(h, w, g, oy, ox, x.device)
     if use_triton(x, reference, masks):
+        geo = _grid(h, w, g, oy, ox, x.device)
         return torch.ops.attr_engine.soft_mask_blend(
             x, reference, masks, geo.rows, geo.cols, geo.row_start, geo.col_start, geo.max_area
         )
-    return _BlendReference.apply(x, reference, masks, geo)
+    return torch.ops.attr_engine.soft_mask_blend_reference(x, reference, masks, oy, ox)
 
 
 __all__ = ["MAX_BLEND_MASKS", "cell_index", "region_pool", "soft_mask_blend"]

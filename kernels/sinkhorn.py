@@ -66,7 +66,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_inputs(log_alpha: Tensor, n_iters: int, tau: float) -> float:
+def _check_inputs(log_alpha: Tensor, n_iters: int, tau: float, validate: bool = True) -> float:
     check_tensor(log_alpha, "log_alpha", ndim=3)
     if log_alpha.shape[1] != log_alpha.shape[2]:
         raise ValueError(f"log_alpha must be (B, N, N) with square last two dims, got shape {tuple(log_alpha.shape)}")
@@ -74,7 +74,7 @@ def _check_inputs(log_alpha: Tensor, n_iters: int, tau: float) -> float:
         raise ValueError(f"log_alpha needs N >= 1, got shape {tuple(log_alpha.shape)}")
     check_int_at_least(n_iters, "n_iters", 1)
     tau = check_positive(tau, "tau")
-    check_tensor(log_alpha, "log_alpha", finite=True)  # last: the only check that reads the data
+    check_tensor(log_alpha, "log_alpha", finite=validate)  # last: the only check that reads the data
     return tau
 
 
@@ -654,7 +654,7 @@ register_autograd("attr_engine::sinkhorn_fwd", _sinkhorn_backward, setup_context
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def sinkhorn(log_alpha: Tensor, n_iters: int = 20, tau: float = 1.0) -> Tensor:
+def sinkhorn(log_alpha: Tensor, n_iters: int = 20, tau: float = 1.0, *, validate: bool = True) -> Tensor:
     """Batched log-domain Sinkhorn normalisation, differentiable w.r.t. ``log_alpha``.
 
     Same result as :func:`sinkhorn_eager` (X = log_alpha / tau; ``n_iters`` times: normalise rows, then columns, in
@@ -666,6 +666,8 @@ def sinkhorn(log_alpha: Tensor, n_iters: int = 20, tau: float = 1.0) -> Tensor:
         log_alpha: (B, N, N) finite float scores (float32, float16, bfloat16 or float64), N >= 1.
         n_iters: number of (row, column) normalisation pairs, >= 1.
         tau: temperature, > 0; smaller is sharper (and needs more iterations to converge).
+        validate: also check that log_alpha is finite (reads the data: a host-device synchronisation on a GPU;
+            engine loops that validated their inputs once pass False).
 
     Returns:
         (B, N, N) P in the dtype of ``log_alpha`` (math in fp32, or float64 for float64 input). Columns sum to 1
@@ -674,7 +676,7 @@ def sinkhorn(log_alpha: Tensor, n_iters: int = 20, tau: float = 1.0) -> Tensor:
     Raises:
         ValueError: log_alpha is not a finite float (B, N, N) tensor with N >= 1, n_iters < 1, or tau <= 0.
     """
-    tau = _check_inputs(log_alpha, n_iters, tau)
+    tau = _check_inputs(log_alpha, n_iters, tau, validate)
     if use_triton(log_alpha):
         return torch.ops.attr_engine.sinkhorn_fwd(log_alpha, n_iters, tau)[0]
     return _SinkhornReference.apply(log_alpha, n_iters, tau)

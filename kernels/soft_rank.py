@@ -78,17 +78,25 @@ def prefix_weights(fractions: torch.Tensor, n: int) -> torch.Tensor:
     return full + part
 
 
-def _sample_seeds(batch: int, generator: torch.Generator | int | None, device: torch.device) -> torch.Tensor:
-    """One 31-bit seed per sample, drawn from ``generator`` (or an integer seed, or torch's default generator)."""
+def _seed_base(batch: int, generator: torch.Generator | int | None) -> int:
+    """First of ``batch`` consecutive 31-bit per-sample seeds, from ``generator`` (an int seed, or torch's default).
+
+    An integer seed maps to the base by plain integer arithmetic, no generator and no tensor read, so the call
+    traces under ``torch.compile(fullgraph=True)`` and never synchronises with a GPU. A ``torch.Generator`` (or
+    None: the global one) is drawn from once, on its own device.
+    """
+    span = 2**31 - 1 - batch
     if isinstance(generator, int) and not isinstance(generator, bool):
-        gen = torch.Generator(device="cpu").manual_seed(generator)
-    elif generator is None or isinstance(generator, torch.Generator):
-        gen = generator
-    else:
+        return generator % span
+    if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator, an int seed or None, got {type(generator).__name__}")
-    gen_device = gen.device if gen is not None else torch.device("cpu")
-    base = torch.randint(0, 2**31 - 1 - batch, (1,), generator=gen, device=gen_device).item()
-    return torch.arange(batch, dtype=torch.int64) + int(base)
+    gen_device = generator.device if generator is not None else torch.device("cpu")
+    return int(torch.randint(0, span, (1,), generator=generator, device=gen_device).item())
+
+
+def _sample_seeds(batch: int, generator: torch.Generator | int | None, device: torch.device) -> torch.Tensor:
+    """One 31-bit seed per sample (B,) int64 on the CPU: ``_seed_base`` plus the sample's index."""
+    return torch.arange(batch, dtype=torch.int64) + _seed_base(batch, generator)
 
 
 def gumbel_noise(seeds: torch.Tensor, n: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -106,20 +114,31 @@ def gumbel_noise(seeds: torch.Tensor, n: int, *, device: torch.device | str = "c
 
 
 def _check_inputs(
-    scores: torch.Tensor, fractions: torch.Tensor | Sequence[float], tau: float, n_iters: int, noise: float
+    scores: torch.Tensor,
+    fractions: torch.Tensor | Sequence[float],
+    tau: float,
+    n_iters: int,
+    noise: float,
+    validate: bool,
 ) -> torch.Tensor:
-    check_tensor(scores, "scores", ndim=2, finite=True)
+    # Shapes, dtypes and scalars are always checked (no tensor is read); ``validate`` adds the checks that read the
+    # scores and fractions, each a host-device synchronisation on a GPU.
+    check_tensor(scores, "scores", ndim=2, finite=validate)
     if not 1 <= scores.shape[1] <= MAX_SORT_CELLS:
         raise ValueError(f"scores must have 1 to {MAX_SORT_CELLS} cells, got shape {tuple(scores.shape)}")
-    if not isinstance(fractions, torch.Tensor):
+    listed = not isinstance(fractions, torch.Tensor)
+    if listed:
         try:
-            fractions = torch.tensor([float(f) for f in fractions], dtype=torch.float64)
+            values = [float(f) for f in fractions]
         except (TypeError, ValueError):
             raise ValueError(f"fractions must be a 1-D sequence or tensor of floats, got {fractions!r}") from None
-    check_tensor(fractions, "fractions", ndim=1, finite=True)
+        if not all(0.0 <= f <= 1.0 for f in values):  # plain floats: checking costs no synchronisation
+            raise ValueError(f"fractions must lie in [0, 1], got min {min(values)}, max {max(values)}")
+        fractions = torch.tensor(values, dtype=torch.float64)
+    check_tensor(fractions, "fractions", ndim=1, finite=validate and not listed)
     if not 1 <= fractions.numel() <= MAX_FRACTIONS:
         raise ValueError(f"fractions must hold 1 to {MAX_FRACTIONS} values, got {fractions.numel()}")
-    if bool(((fractions < 0) | (fractions > 1)).any()):
+    if validate and not listed and bool(((fractions < 0) | (fractions > 1)).any()):
         raise ValueError(
             f"fractions must lie in [0, 1], got min {fractions.min().item()}, max {fractions.max().item()}"
         )
@@ -337,28 +356,65 @@ def _structured_backward(
     return grad
 
 
-class _StructuredSoftTopk(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        scores: torch.Tensor,
-        fractions: torch.Tensor,
-        tau: float,
-        n_iters: int,
-        noise: float,
-        seeds: torch.Tensor | None,
-    ) -> torch.Tensor:
-        weights = prefix_weights(fractions, scores.shape[1])
-        masks, us, vs = _structured_forward(scores, weights, tau, n_iters, noise, seeds)
-        ctx.save_for_backward(scores, weights, us, vs)
-        ctx.tau, ctx.noise, ctx.seeds = tau, noise, seeds
-        return masks.to(scores.dtype)
+# Registered as ops (like the Triton path) so that torch.compile sees one opaque node instead of breaking the graph
+# at the data-dependent refresh and underflow branches inside; the seed travels as an int, the noise is regenerated.
 
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_masks: torch.Tensor):  # type: ignore[override]
-        scores, weights, us, vs = ctx.saved_tensors
-        grad = _structured_backward(grad_masks, scores, weights, ctx.tau, ctx.noise, ctx.seeds, us, vs)
-        return grad.to(scores.dtype), None, None, None, None, None
+
+@torch.library.custom_op("attr_engine::soft_topk_reference", mutates_args=())
+def _soft_topk_reference_op(
+    scores: torch.Tensor, weights: torch.Tensor, tau: float, n_iters: int, noise: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Structured forward: masks (B, S, N) in scores' dtype, potentials u, v (B, T, N) float64."""
+    seeds = torch.arange(scores.shape[0], dtype=torch.int64) + seed if noise > 0 else None
+    masks, us, vs = _structured_forward(scores, weights, tau, n_iters, noise, seeds)
+    return masks.to(scores.dtype), us, vs
+
+
+@_soft_topk_reference_op.register_fake
+def _(scores: torch.Tensor, weights: torch.Tensor, tau: float, n_iters: int, noise: float, seed: int) -> tuple:
+    bsz, n = scores.shape
+    pot = scores.new_empty(bsz, n_iters, n, dtype=torch.float64)
+    return scores.new_empty(bsz, weights.shape[0], n), pot, torch.empty_like(pot)
+
+
+@torch.library.custom_op("attr_engine::soft_topk_reference_backward", mutates_args=())
+def _soft_topk_reference_backward_op(
+    grad_masks: torch.Tensor,
+    scores: torch.Tensor,
+    weights: torch.Tensor,
+    us: torch.Tensor,
+    vs: torch.Tensor,
+    tau: float,
+    noise: float,
+    seed: int,
+) -> torch.Tensor:
+    """Structured backward: d loss / d scores (B, N) in scores' dtype."""
+    seeds = torch.arange(scores.shape[0], dtype=torch.int64) + seed if noise > 0 else None
+    return _structured_backward(grad_masks, scores, weights, tau, noise, seeds, us, vs).to(scores.dtype)
+
+
+@_soft_topk_reference_backward_op.register_fake
+def _(grad_masks: torch.Tensor, scores: torch.Tensor, *_: object) -> torch.Tensor:
+    return torch.empty_like(scores)
+
+
+def _soft_topk_reference_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+    scores, weights, tau, _, noise, seed = inputs
+    _, us, vs = output
+    ctx.mark_non_differentiable(us, vs)
+    ctx.save_for_backward(scores, weights, us, vs)
+    ctx.tau, ctx.noise, ctx.seed = tau, noise, seed
+
+
+def _soft_topk_reference_backward(ctx: torch.autograd.function.FunctionCtx, grad_masks: torch.Tensor, *_: object):
+    scores, weights, us, vs = ctx.saved_tensors
+    grad = torch.ops.attr_engine.soft_topk_reference_backward(
+        grad_masks.contiguous(), scores, weights, us, vs, ctx.tau, ctx.noise, ctx.seed
+    )
+    return grad, None, None, None, None, None
+
+
+_soft_topk_reference_op.register_autograd(_soft_topk_reference_backward, setup_context=_soft_topk_reference_setup)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -489,7 +545,6 @@ def _topk_masks_kernel(
     s_ptr,  # scores, (B, N) fp32 contiguous
     w_ptr,  # prefix weights W, (S, N) fp32 contiguous
     u_ptr,  # row potentials, (B, T, N) fp32; the last slot is read
-    v_ptr,  # column potentials, (B, T, N) fp32; the last slot is read
     m_ptr,  # out: masks, (B, S, N) fp32 contiguous
     N,
     S,
@@ -503,20 +558,32 @@ def _topk_masks_kernel(
     BLOCK_I: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """M[s, i] = sum_j W[s, j] P[j, i] for this program's (cells, fractions) block; P = exp(K + u_T + v_T) per tile."""
+    """M[s, i] = sum_j W[s, j] P[j, i] for this program's (cells, fractions) block.
+
+    The last column half-step is redone here and P = exp(x - m_i) / s_i is written from its own column max m and sum
+    s (x = K + u_T), not through the stored v_T = -(m + log s): at extreme score scales (|K| ~ 1e8) fp32 cannot hold
+    m + log s, and the columns of P, hence M at fraction 1, would no longer sum to one.
+    """
     b = tl.program_id(0).to(tl.int64)
     offs_i = tl.program_id(1).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
     offs_s = tl.program_id(2).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
     s_row = s_ptr + b * N
-    last = b * T * N + (T - 1) * N
-    v_last = tl.load(v_ptr + last + offs_i, mask=offs_i < N, other=0.0)
+    u_last = u_ptr + b * T * N + (T - 1) * N
+    run_max = tl.full([BLOCK_I], float("-inf"), tl.float32)
+    run_sum = tl.zeros([BLOCK_I], tl.float32)
+    for j0 in range(0, N, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        x = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
+        x += tl.load(u_last + offs_j, mask=offs_j < N, other=0.0)[:, None]
+        run_max, run_sum = _online_lse(run_max, run_sum, x, 0)
+    shift = tl.where(run_max == float("-inf"), 0.0, run_max)
+    inv_sum = 1.0 / tl.where(run_sum > 0.0, run_sum, 1.0)
     acc = tl.zeros([BLOCK_S, BLOCK_I], tl.float32)
     for j0 in range(0, N, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
-        k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
-        u_last = tl.load(u_ptr + last + offs_j, mask=offs_j < N, other=0.0)
-        # Entries of a column-normalised plan are <= 1; the clamp guards fp32 rounding at extreme scales.
-        p = tl.exp(tl.minimum(k + u_last[:, None] + v_last[None, :], 0.0))
+        x = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
+        x += tl.load(u_last + offs_j, mask=offs_j < N, other=0.0)[:, None]
+        p = tl.exp(x - shift[None, :]) * inv_sum[None, :]
         w = tl.load(
             w_ptr + offs_s[:, None] * N + offs_j[None, :], mask=(offs_s[:, None] < S) & (offs_j[None, :] < N), other=0.0
         )
@@ -765,7 +832,7 @@ def _soft_topk_fwd_op(
         wrap_triton(_topk_cols_kernel)[grid](scores, us, vs, n, n_iters, t, step, seed, noise, inv_tau, **cols)
     block_s = _block_s(n_frac)
     wrap_triton(_topk_masks_kernel)[(bsz, triton.cdiv(n, _OWN), triton.cdiv(n_frac, block_s))](
-        scores, weights, us, vs, masks, n, n_frac, n_iters, step, seed, noise, inv_tau, BLOCK_S=block_s,
+        scores, weights, us, masks, n, n_frac, n_iters, step, seed, noise, inv_tau, BLOCK_S=block_s,
         num_warps=_DOT_WARPS, **cols,
     )  # fmt: skip
     return masks, us, vs
@@ -855,6 +922,7 @@ def soft_topk_masks(
     n_iters: int,
     noise: float = 1.0,
     generator: torch.Generator | int | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Soft top-k membership masks of N cells for S fractions, through a Gumbel-Sinkhorn soft permutation.
 
@@ -869,19 +937,28 @@ def soft_topk_masks(
         n_iters: Sinkhorn iterations (>= 1); each normalises over cells, then over rank slots.
         noise: scale of the Gumbel noise (0 gives the deterministic Sinkhorn sort).
         generator: a ``torch.Generator`` or an integer seed for the noise; ``None`` draws from torch's global
-            generator. The same seed gives bit-identical masks on the same backend.
+            generator. The same seed gives bit-identical masks on the same backend. An integer seed costs no tensor
+            read, so the op traces under ``torch.compile(fullgraph=True)``.
+        validate: also check that the scores (and a tensor of fractions) are finite and in range. These checks read
+            the data, a host-device synchronisation on a GPU: engine loops validate once at their entry point and
+            pass False. Shapes, dtypes and scalars are checked either way.
 
     Returns:
         M: (B, S, N) in the dtype of ``scores``; M[b, s, i] is cell i's soft membership in the top fractions[s] * N.
         Every cell's memberships over rank slots sum to one, so M[:, s].sum(-1) ~= fractions[s] * N.
         Differentiable with respect to ``scores``.
     """
-    fractions = _check_inputs(scores, fractions, tau, n_iters, noise)
+    fractions = _check_inputs(scores, fractions, tau, n_iters, noise, validate)
     bsz, n = scores.shape
-    seeds = _sample_seeds(bsz, generator, scores.device) if noise > 0 else None
+    seed = _seed_base(bsz, generator) if noise > 0 else 0
+    weights = prefix_weights(fractions, n)
     if use_triton(scores):
-        weights = prefix_weights(fractions, n).to(torch.float32).contiguous()
-        seed = int(seeds[0]) if seeds is not None else 0
-        masks, _, _ = _soft_topk_fwd_op(scores.to(torch.float32).contiguous(), weights, tau, n_iters, noise, seed)
+        fp32 = torch.float32
+        masks, _, _ = _soft_topk_fwd_op(
+            scores.to(fp32).contiguous(), weights.to(fp32).contiguous(), tau, n_iters, noise, seed
+        )
         return masks.to(scores.dtype)
-    return _StructuredSoftTopk.apply(scores, fractions, float(tau), int(n_iters), float(noise), seeds)
+    masks, _, _ = torch.ops.attr_engine.soft_topk_reference(
+        scores, weights, float(tau), int(n_iters), float(noise), seed
+    )
+    return masks

@@ -62,7 +62,7 @@ def target_probabilities(
     """Softmax probability of each curve's target class. images: (B, S, C, H, W), target: (B,) -> (B, S)."""
     bsz, steps = images.shape[:2]
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp and images.is_cuda):
-        logits = classifier(images.flatten(0, 1))
+        logits = classifier.forward_trusted(images.flatten(0, 1))  # blends of validated images
     probs = logits.float().softmax(dim=-1).view(bsz, steps, -1)
     return probs.gather(2, target.view(bsz, 1, 1).expand(bsz, steps, 1))[..., 0]
 
@@ -103,10 +103,16 @@ def soft_auc_loss(
     bsz = x.shape[0]
     scores = kernels.region_pool(maps, grid, offset).flatten(1)
     # Deletion ranks the map, insertion its negation; both go through the sorter and the classifier as one batch.
+    # The inputs were validated where the training step or the refinement began: no kernel reads them again (each
+    # data check would be a host-device synchronisation inside the step).
     both = torch.cat((scores, -scores), dim=0)
-    masks = kernels.soft_topk_masks(both, fractions, tau=tau, n_iters=n_iters, noise=noise, generator=generator)
+    masks = kernels.soft_topk_masks(
+        both, fractions, tau=tau, n_iters=n_iters, noise=noise, generator=generator, validate=False
+    )
     masks = masks.view(2 * bsz, fractions.numel(), grid, grid)
-    images = kernels.soft_mask_blend(torch.cat((x, x)), torch.cat((reference, reference)), masks, offset)
+    images = kernels.soft_mask_blend(
+        torch.cat((x, x)), torch.cat((reference, reference)), masks, offset, validate=False
+    )
     curves = target_probabilities(classifier, images, torch.cat((target, target)), amp=amp)
     aucs = trapezoid_auc(curves, fractions.to(curves.dtype))
     deletion, insertion = aucs[:bsz], aucs[bsz:]

@@ -135,7 +135,7 @@ def perturbation_auc(
 
     with torch.no_grad():
         ref = _resolve_reference(reference, x, classifier)
-        target = resolve_target(target, torch.cat([classifier(c) for c in x.split(batch_size)]))
+        target = resolve_target(target, torch.cat([classifier.forward_trusted(c) for c in x.split(batch_size)]))
 
         def curve(ranks: torch.Tensor) -> torch.Tensor:
             steps = len(values)
@@ -144,7 +144,7 @@ def perturbation_auc(
                 j = torch.arange(lo, min(lo + batch_size, batch * steps), device=x.device)
                 b, k = j // steps, j % steps
                 removed = (ranks[b] < counts[k, None]).view(-1, 1, height, width)
-                logits = classifier(torch.where(removed, ref[b], x[b])).float()
+                logits = classifier.forward_trusted(torch.where(removed, ref[b], x[b])).float()
                 if score == "probability":
                     out[lo : lo + len(j)] = logits.softmax(dim=1).gather(1, target[b, None]).squeeze(1)
                 else:
@@ -201,7 +201,7 @@ def _chunked_scores(
 ) -> torch.Tensor:
     """Target scores of a stack of images, ``batch_size`` images per classifier call. Returns (N,) float64."""
     chunks = zip(images.split(batch_size), target.split(batch_size), strict=True)
-    return torch.cat([_target_scores(classifier(c), t, output) for c, t in chunks])
+    return torch.cat([_target_scores(classifier.forward_trusted(c), t, output) for c, t in chunks])
 
 
 def _check_common(
@@ -341,7 +341,7 @@ def infidelity(
     attr_channel_sum = attr.sum(dim=1).flatten(1) * (x.shape[1] if attr.shape[1] == 1 else 1)
 
     with torch.no_grad():
-        logits = torch.cat([classifier(c) for c in x.split(batch_size)])
+        logits = torch.cat([classifier.forward_trusted(c) for c in x.split(batch_size)])
         target = resolve_target(target, logits)
         clean = _target_scores(logits, target, output)
         # a and b for every (sample, patch size) segment: lists of (B, P) tensors.
@@ -366,7 +366,7 @@ def infidelity(
                     b, k = j // num, j % num
                     replaced = (grid[None] <= k[:, None, None]).unsqueeze(1)
                     images = torch.where(replaced, fill[b], x[b])
-                    perturbed[lo : lo + len(j)] = _target_scores(classifier(images), target[b], output)
+                    perturbed[lo : lo + len(j)] = _target_scores(classifier.forward_trusted(images), target[b], output)
                 b_row.append(clean[:, None] - perturbed.view(batch, num))
             a_terms.append(a_row)
             b_terms.append(b_row)
@@ -436,7 +436,7 @@ def infidelity_from_perturbations(
         return out.to(device=x.device, dtype=x.dtype)
 
     with torch.no_grad():
-        logits = torch.cat([classifier(c) for c in x.split(batch_size)])
+        logits = torch.cat([classifier.forward_trusted(c) for c in x.split(batch_size)])
         target = resolve_target(target, logits)
         clean = _target_scores(logits, target, output)
         a = torch.empty(samples, batch, dtype=torch.float64, device=x.device)

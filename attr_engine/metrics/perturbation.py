@@ -101,7 +101,7 @@ def _resolve_reference(reference: str | torch.Tensor, x: torch.Tensor, classifie
 
 
 def _logits(classifier: Classifier, images: torch.Tensor, batch_size: int) -> torch.Tensor:
-    return torch.cat([classifier(chunk) for chunk in images.split(batch_size)])
+    return torch.cat([classifier.forward_trusted(chunk) for chunk in images.split(batch_size)])
 
 
 def _probability(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -129,7 +129,7 @@ def _interior_curve(
         b, k = j // steps, j % steps
         perturbed = (ranks[b] < counts_t[k, None]).view(-1, 1, height, width)
         images = torch.where(perturbed, end[b], start[b])
-        curve[lo : lo + len(j)] = _probability(classifier(images), target[b])
+        curve[lo : lo + len(j)] = _probability(classifier.forward_trusted(images), target[b])
     return curve.view(batch, steps)
 
 
