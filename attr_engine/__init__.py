@@ -9,18 +9,41 @@ The public API:
 - :func:`get_explainer` / :func:`list_explainers` - baselines and our methods behind one call shape.
 - :func:`evaluate` - a leaderboard of methods x metrics.
 - :mod:`attr_engine.data` - the embedded procedural dataset and an image-folder loader.
+
+The names are imported on first use (PEP 562), so ``import attr_engine`` - and ``attr-engine --help`` - costs
+nothing until torch is actually needed.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from attr_engine.aha import AHA, AHAConfig
-from attr_engine.baselines import get_explainer, list_explainers
-from attr_engine.classifier import Classifier, load_classifier
-from attr_engine.evaluate import Leaderboard, evaluate
-from attr_engine.metrics import DeletionInsertion, deletion_insertion, energy_pointing_game, pointing_game
-from attr_engine.pullback import PullbackConfig, SemanticPullback, SoftAdjoint, default_alpha, soft_adjoint
-from attr_engine.train import train_classifier
+# Public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    "AHA": "attr_engine.aha",
+    "AHAConfig": "attr_engine.aha",
+    "get_explainer": "attr_engine.baselines",
+    "list_explainers": "attr_engine.baselines",
+    "Classifier": "attr_engine.classifier",
+    "load_classifier": "attr_engine.classifier",
+    "Leaderboard": "attr_engine.evaluate",
+    "evaluate": "attr_engine.evaluate",
+    "DeletionInsertion": "attr_engine.metrics",
+    "deletion_insertion": "attr_engine.metrics",
+    "energy_pointing_game": "attr_engine.metrics",
+    "pointing_game": "attr_engine.metrics",
+    "PullbackConfig": "attr_engine.pullback",
+    "SemanticPullback": "attr_engine.pullback",
+    "SoftAdjoint": "attr_engine.pullback",
+    "default_alpha": "attr_engine.pullback",
+    "soft_adjoint": "attr_engine.pullback",
+    "train_classifier": "attr_engine.train",
+}
 
+# A literal list, so linters and type checkers see the names the TYPE_CHECKING block imports.
 __all__ = [
     "AHA",
     "AHAConfig",
@@ -42,3 +65,31 @@ __all__ = [
     "soft_adjoint",
     "train_classifier",
 ]
+
+if TYPE_CHECKING:
+    from attr_engine.aha import AHA, AHAConfig
+    from attr_engine.baselines import get_explainer, list_explainers
+    from attr_engine.classifier import Classifier, load_classifier
+    from attr_engine.evaluate import Leaderboard, evaluate
+    from attr_engine.metrics import DeletionInsertion, deletion_insertion, energy_pointing_game, pointing_game
+    from attr_engine.pullback import PullbackConfig, SemanticPullback, SoftAdjoint, default_alpha, soft_adjoint
+    from attr_engine.train import train_classifier
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        # `import attr_engine; attr_engine.metrics.pointing_game(...)` worked when everything was imported eagerly.
+        try:
+            return importlib.import_module(f"attr_engine.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"attr_engine.{name}":
+                raise
+            raise AttributeError(f"module 'attr_engine' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

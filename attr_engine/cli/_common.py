@@ -8,11 +8,14 @@ import os
 import platform
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+# torch, timm and the engine are imported inside the functions that need them: building the parser (and so
+# `attr-engine --help`) must not pay for them.
+if TYPE_CHECKING:
+    import torch
 
-from attr_engine.classifier import Classifier
+    from attr_engine.classifier import Classifier
 
 __all__ = [
     "EMBEDDED",
@@ -326,6 +329,8 @@ def check_writable_dir(path: str | os.PathLike[str]) -> Path:
 
 def machine_summary(device: torch.device) -> dict[str, Any]:
     """Where a result was measured: CPU, cores, torch threads, GPU, versions."""
+    import torch
+
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),

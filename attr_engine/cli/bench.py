@@ -15,9 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from attr_engine.cli._common import (
     SMALL_MODELS,
@@ -48,7 +46,13 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
     return {"bench": p}
 
 
+if TYPE_CHECKING:
+    import torch
+
+
 def _median_ms(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
+    import torch
+
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()  # warm-up: first-call allocations, soft-adjoint patching, cuDNN / Triton autotuning
     times = []
@@ -63,6 +67,8 @@ def _median_ms(fn: Callable[[], Any], repeats: int, device: torch.device) -> flo
 
 def engine_timings(model: str, *, batch: int, img_size: int, repeats: int, device: torch.device) -> list[dict]:
     """Median milliseconds per call (and per image) of each engine step on ``batch`` images."""
+    import torch
+
     from attr_engine.aha import AHA, AHAConfig
     from attr_engine.data import ShapesDataset
     from attr_engine.metrics import deletion_insertion
@@ -103,6 +109,8 @@ def engine_timings(model: str, *, batch: int, img_size: int, repeats: int, devic
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    import torch
+
     from attr_engine.checkpoint import save_json
 
     for flag in ("batch_size", "repeats"):

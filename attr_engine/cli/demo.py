@@ -27,8 +27,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from attr_engine.cli._common import (
     HELD_OUT_SEED,
     SMALL_MODELS,
@@ -148,6 +146,7 @@ class _Stages:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    import torch
     from tqdm.auto import tqdm
 
     from attr_engine.aha import AHA, AHAConfig

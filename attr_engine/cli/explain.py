@@ -32,10 +32,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from attr_engine.cli._common import (
     UsageError,
@@ -53,6 +50,10 @@ SETTINGS_FILE = "explain.json"
 MANIFEST_DIR = "_manifest"
 JOURNAL_SUFFIX = ".jsonl"
 FORMATS = ("npy", "safetensors")
+
+# numpy and torch are imported where they are used: `attr-engine explain --help` must not load them.
+if TYPE_CHECKING:
+    import torch
 
 
 def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
@@ -136,8 +137,12 @@ def list_inputs(src: Path, fmt: str) -> tuple[list[Item], Any]:
     return items, reader
 
 
-class _Decoded(torch.utils.data.Dataset):
-    """Decodes items with the folder reader; a file that fails comes back as its error message, not an exception."""
+class _Decoded:
+    """Decodes items with the folder reader; a file that fails comes back as its error message, not an exception.
+
+    A map-style dataset (``__len__`` and ``__getitem__`` are all a DataLoader needs), not a ``torch`` subclass, so
+    that defining it imports nothing.
+    """
 
     def __init__(self, items: list[Item], reader: Any, img_size: int) -> None:
         self.items, self.reader = items, reader
@@ -229,6 +234,8 @@ def read_journal(out: Path) -> dict[str, str]:
 
 def valid_output(path: Path, fmt: str, size: int) -> bool:
     """Whether ``path`` reads back as a complete map (``fmt``) of ``size x size``, or a complete PNG (``"png"``)."""
+    import numpy as np
+
     if not path.is_file():
         return False
     try:
@@ -268,6 +275,8 @@ def _remove_stale_temporaries(out: Path, items: list[Item], rank: int, world: in
 
 
 def _target_tensor(spec: str, items: list[Item]) -> torch.Tensor | None:
+    import torch
+
     if spec == "pred":
         return None
     if spec == "label":
@@ -276,6 +285,8 @@ def _target_tensor(spec: str, items: list[Item]) -> torch.Tensor | None:
 
 
 def _write_map(amap: torch.Tensor, path: Path, fmt: str, meta: dict[str, str]) -> None:
+    import numpy as np
+
     from attr_engine.checkpoint import atomic_write, save_safetensors
 
     if fmt == "npy":
@@ -286,6 +297,7 @@ def _write_map(amap: torch.Tensor, path: Path, fmt: str, meta: dict[str, str]) -
 
 
 def run_explain(args: argparse.Namespace) -> int:
+    import torch
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 

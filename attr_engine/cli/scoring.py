@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from attr_engine.cli._common import (
     EMBEDDED,
@@ -23,6 +21,9 @@ from attr_engine.cli._common import (
 
 CHEAP_METRICS = ("deletion", "insertion")
 MASK_METRICS = ("pointing_game", "energy_pointing_game")
+
+if TYPE_CHECKING:
+    import torch
 
 
 def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
@@ -63,6 +64,8 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
 
 def evaluation_data(data: str, *, num_images: int, img_size: int, seed: int) -> tuple[torch.Tensor, ...]:
     """``(x, labels, masks)`` held-out embedded images, or ``(x, labels)`` spread evenly over an image folder."""
+    import torch
+
     from attr_engine.data import ImageFolderDataset, ShapesDataset
 
     if num_images < 1:
