@@ -1,23 +1,35 @@
-"""One-shot GPU check: every fused op against its reference, then timed against eager and the reference.
+"""One GPU script that measures the engine: every fused op checked and timed, then end-to-end throughput.
 
     python benches/gpu_check.py            # on a CUDA machine, realistic sizes, < 8 minutes
-    python benches/gpu_check.py --smoke    # anywhere: tiny sizes, Triton interpreter on CPU, code-path check only
+    python benches/gpu_check.py --smoke    # anywhere: tiny sizes and models, Triton interpreter on CPU, code paths
 
-For each op (forward + backward at the size an AHA or pullback step uses) it prints: the largest forward and
+Part 1, kernels: for each op (forward + backward at the size an AHA or pullback step uses) the largest forward and
 gradient deviation of the fused path from the reference, the median time of eager / reference / Triton
 (``triton.testing.do_bench``), Triton's speed-up over eager, the effective bandwidth of the Triton path (bytes of
-inputs, outputs and gradients it must move, divided by its time) and peak memory of each provider. The table is
-printed last; the exit status is non-zero if an op disagrees with its reference.
+inputs, outputs and gradients it must move, divided by its time) and peak memory of each provider.
+
+Part 2, engine: images/s of an AHA training step and of AHA attribute (T=0, T=3) on ``vit_base_patch16_224`` and
+``convnext_small`` (random init, 224 px, bf16 autocast, batch 32), Semantic Pullback (soft pullback, ascent K=5)
+on ``resnet50`` and ``vit_base_patch16_224``, and deletion/insertion (21 points). For each: the engine's share of
+the time, i.e. everything but the classifier's own passes (the classifier calls a workload makes are recorded with
+a forward hook, then replayed alone with the same batch sizes and grad modes, and timed), and the peak memory. A
+workload that runs out of memory is reported as such, not fatal.
+
+Writes the results as JSON (``--out``, default ``benches/results/gpu.json``; ``gpu-smoke.json`` with ``--smoke``)
+and prints Markdown tables last; the exit status is non-zero if an op disagrees with its reference.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
@@ -116,9 +128,165 @@ def _peak_mb(run: Callable[[], object], device: str) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Part 2: end-to-end engine throughput
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    name: str
+    model: str
+    images: int  # images explained (or trained on) per call
+    run: Callable[[], object]
+
+
+class _ClassifierCalls:
+    """Records (batch size, grad enabled) of every Classifier.forward during a block, to replay them alone."""
+
+    def __init__(self, classifier: torch.nn.Module) -> None:
+        self.calls: list[tuple[int, bool]] = []
+        self._classifier = classifier
+
+    def __enter__(self) -> _ClassifierCalls:
+        def hook(_module: torch.nn.Module, args: tuple, _out: object) -> None:
+            self.calls.append((int(args[0].shape[0]), torch.is_grad_enabled()))
+
+        # On the wrapped network, not the Classifier: engine loops call Classifier.forward_trusted, which skips the
+        # module hooks of the wrapper but always runs the network's own forward. (AHA's backbone feature pass calls
+        # forward_intermediates, so it counts as engine time: it is the explainer's cost.)
+        self._handle = self._classifier._model.register_forward_hook(hook)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._handle.remove()
+
+
+def _replay(classifier: torch.nn.Module, calls: list[tuple[int, bool]], size: int, device: str, amp: bool) -> None:
+    """The classifier's own passes of a workload: the same batches, with an input gradient where it had one."""
+    for n, grad in calls:
+        x = torch.rand(n, 3, size, size, device=device, requires_grad=grad)
+        with torch.set_grad_enabled(grad), torch.autocast("cuda", torch.bfloat16, enabled=amp and device == "cuda"):
+            out = classifier(x)
+        if grad:
+            out.float().sum().backward()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _wall_ms(run: Callable[[], object], device: str, repeats: int) -> float:
+    """Median wall time of ``repeats`` calls after one warm-up (first calls compile kernels and patch modules)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _engine_models(smoke: bool) -> dict[str, str]:
+    if smoke:
+        return {"vit": "test_vit", "convnext": "test_convnext", "resnet": "test_resnet"}
+    return {"vit": "vit_base_patch16_224", "convnext": "convnext_small", "resnet": "resnet50"}
+
+
+def _workloads(smoke: bool, device: str) -> list[tuple[Any, int, bool, list[Workload]]]:
+    """(classifier, image size, bf16 autocast, workloads) per model."""
+    from torch.utils.data import TensorDataset
+
+    from attr_engine import AHA, AHAConfig, load_classifier
+    from attr_engine.metrics import deletion_insertion
+    from attr_engine.pullback import SemanticPullback
+
+    size, batch = (32, 2) if smoke else (224, 32)
+    fractions = 4 if smoke else 16
+    names = _engine_models(smoke)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(batch, 3, size, size, generator=gen).to(device)
+    out = []
+    for key in ("vit", "convnext", "resnet"):
+        clf = load_classifier(names[key], pretrained=False, img_size=size).to(device)
+        loads: list[Workload] = []
+        if key in ("vit", "convnext"):
+            cfg = AHAConfig(n_fractions=fractions, targets="pred", amp=True)
+            aha = AHA(clf, cfg)
+            data = TensorDataset(x.cpu(), torch.zeros(batch, dtype=torch.long))
+            loads += [
+                Workload("AHA training step", names[key], batch,
+                         lambda aha=aha, data=data: aha.fit(data, batch_size=batch, max_steps=1, progress=False)),
+                Workload("AHA attribute T=0", names[key], batch, lambda aha=aha: aha.attribute(x)),
+                Workload("AHA attribute T=3", names[key], batch,
+                         lambda aha=aha: aha.attribute(x, refine_steps=3, generator=0)),
+            ]  # fmt: skip
+        if key in ("vit", "resnet"):
+            sp = SemanticPullback(clf)
+            loads += [
+                Workload("Soft pullback (SfP)", names[key], batch, lambda sp=sp: sp.attribute(x, method="soft")),
+                Workload("Pullback ascent K=5", names[key], batch,
+                         lambda sp=sp: sp.attribute(x, method="ascent", steps=5)),
+            ]  # fmt: skip
+        if key == "vit":
+            maps = torch.rand(batch, size, size, generator=gen).to(device)
+            loads.append(Workload("deletion + insertion (21 points)", names[key], batch,
+                                  lambda clf=clf, maps=maps: deletion_insertion(clf, x, maps, steps=20)))  # fmt: skip
+        out.append((clf, size, key != "resnet", loads))
+    return out
+
+
+def _engine_rows(smoke: bool, device: str) -> list[dict[str, Any]]:
+    repeats = 1 if smoke else 3
+    rows = []
+    for clf, size, amp, loads in _workloads(smoke, device):
+        for w in loads:
+            row: dict[str, Any] = {"workload": w.name, "model": w.model, "batch": w.images, "img_size": size}
+            try:
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                total = _wall_ms(w.run, device, repeats)
+                peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else float("nan")
+                with _ClassifierCalls(clf) as rec:
+                    w.run()
+                replay = lambda clf=clf, rec=rec, size=size, amp=amp: _replay(clf, rec.calls, size, device, amp)
+                own = _wall_ms(replay, device, repeats)
+                row.update(
+                    ms=total, images_per_s=w.images / (total * 1e-3), classifier_ms=own,
+                    classifier_images=sum(n for n, _ in rec.calls), engine_share=max(0.0, 1.0 - own / total),
+                    peak_mb=peak,
+                )  # fmt: skip
+            except torch.OutOfMemoryError:
+                row["error"] = "out of memory"
+            print(_engine_line(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def _engine_line(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"| {r['workload']} | {r['model']} | {r['batch']} | {r['error']} | | | | |"
+    return (
+        f"| {r['workload']} | {r['model']} | {r['batch']} | {r['ms']:.1f} | {r['images_per_s']:.1f} "
+        f"| {r['classifier_images']} | {100 * r['engine_share']:.1f}% | {r['peak_mb']:.0f} |"
+    )
+
+
+_ENGINE_HEAD = (
+    "| workload | model | batch | ms/call | images/s | classifier images/call | engine share | peak MiB |\n"
+    "|---|---|---|---|---|---|---|---|"
+)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="Check and time every fused kernel on a CUDA device.")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes through the CPU interpreter")
+    parser.add_argument("--skip-engine", action="store_true", help="kernels only")
+    parser.add_argument("--out", metavar="FILE", help="JSON results (default benches/results/gpu[-smoke].json)")
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():
         print("gpu_check needs a CUDA device (use --smoke to exercise the code paths on the CPU)")
@@ -148,7 +316,9 @@ def main() -> int:
         moved += ref_out.numel() * ref_out.element_size() * 2  # output written, its gradient read
         rows.append((op.name, op.size, fwd_err, grad_err, ms, mem, moved / (ms["triton"] * 1e-3) / 1e9, ok))
 
-    print(f"\nattr-engine gpu_check on {name}, torch {torch.__version__}, {time.time() - started:.0f} s")
+    engine = [] if args.skip_engine else _engine_rows(args.smoke, device)
+    elapsed = time.time() - started
+    print(f"\nattr-engine gpu_check on {name}, torch {torch.__version__}, {elapsed:.0f} s")
     head = (f"{'op':<16} {'size':<24} {'fwd err':>8} {'grad err':>8} {'eager ms':>9} {'ref ms':>8} {'triton ms':>9} "
             f"{'x eager':>8} {'GB/s':>7} {'mem MB e/r/t':>18}  ok")  # fmt: skip
     print(head)
@@ -158,6 +328,23 @@ def main() -> int:
         print(f"{name_:<16} {size:<24} {fe:>8.1e} {ge:>8.1e} {ms['eager']:>9.2f} {ms['reference']:>8.2f} "
               f"{ms['triton']:>9.2f} {ms['eager'] / ms['triton']:>8.1f} {gbs:>7.1f} {mems:>18}  "
               f"{'yes' if ok else 'NO'}")  # fmt: skip
+    if engine:
+        print(f"\n{_ENGINE_HEAD}")
+        print("\n".join(_engine_line(r) for r in engine))
+    out = Path(args.out or f"benches/results/gpu{'-smoke' if args.smoke else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "device": name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "seconds": round(elapsed, 1),
+        "kernels": [
+            {"op": r[0], "size": r[1], "fwd_err": r[2], "grad_err": r[3], "ms": r[4], "peak_mb": r[5], "gbps": r[6],
+             "ok": r[7]} for r in rows
+        ],
+        "engine": engine,
+    }  # fmt: skip
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=float))
+    tmp.replace(out)
+    print(f"results written to {out}")
     return 1 if failures else 0
 
 
