@@ -9,6 +9,8 @@ The public API:
 - :func:`get_explainer` / :func:`list_explainers` - baselines and our methods behind one call shape.
 - :func:`evaluate` - a leaderboard of methods x metrics.
 - :mod:`attr_engine.data` - the embedded procedural dataset and an image-folder loader.
+- :func:`preprocess`, :func:`to_image_frame`, :func:`data_config` - the classifier's own resize and crop, and maps
+  drawn back on the original image (the cropped-away border NaN).
 
 The names are imported on first use (PEP 562), so ``import attr_engine`` - and ``attr-engine --help`` - costs
 nothing until torch is actually needed.
@@ -41,6 +43,10 @@ _EXPORTS: dict[str, str] = {
     "default_alpha": "attr_engine.pullback",
     "soft_adjoint": "attr_engine.pullback",
     "train_classifier": "attr_engine.train",
+    "DataConfig": "attr_engine.imageops",
+    "data_config": "attr_engine.imageops",
+    "preprocess": "attr_engine.imageops",
+    "to_image_frame": "attr_engine.imageops",
 }
 
 # A literal list, so linters and type checkers see the names the TYPE_CHECKING block imports.
@@ -48,12 +54,14 @@ __all__ = [
     "AHA",
     "AHAConfig",
     "Classifier",
+    "DataConfig",
     "DeletionInsertion",
     "Leaderboard",
     "PullbackConfig",
     "SemanticPullback",
     "SoftAdjoint",
     "__version__",
+    "data_config",
     "default_alpha",
     "deletion_insertion",
     "energy_pointing_game",
@@ -62,7 +70,9 @@ __all__ = [
     "list_explainers",
     "load_classifier",
     "pointing_game",
+    "preprocess",
     "soft_adjoint",
+    "to_image_frame",
     "train_classifier",
 ]
 
@@ -71,6 +81,7 @@ if TYPE_CHECKING:
     from attr_engine.baselines import get_explainer, list_explainers
     from attr_engine.classifier import Classifier, load_classifier
     from attr_engine.evaluate import Leaderboard, evaluate
+    from attr_engine.imageops import DataConfig, data_config, preprocess, to_image_frame
     from attr_engine.metrics import DeletionInsertion, deletion_insertion, energy_pointing_game, pointing_game
     from attr_engine.pullback import PullbackConfig, SemanticPullback, SoftAdjoint, default_alpha, soft_adjoint
     from attr_engine.train import train_classifier

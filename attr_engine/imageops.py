@@ -1,9 +1,37 @@
-"""Small image operations shared by the methods and the metrics: blur and perturbation references."""
+"""Small image operations: blur and perturbation references (methods, metrics), and the classifier's preprocessing.
+
+The preprocessing half answers two questions for a user's photo of any size: what tensor does the classifier see
+(:func:`preprocess`: timm's evaluation transform - resize the shorter side to ``input / crop_pct``, centre-crop the
+input size, with the model's interpolation), and where on the photo does a map computed on that tensor lie
+(:func:`to_image_frame`: the inverse geometry, the cropped-away border ``NaN``). :func:`data_config` reads the
+settings from a timm model's pretrained config.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+__all__ = [
+    "REFERENCES",
+    "CropGeometry",
+    "DataConfig",
+    "crop_geometry",
+    "data_config",
+    "gaussian_blur",
+    "pil_to_tensor",
+    "preprocess",
+    "reference_image",
+    "scaled_blur",
+    "to_image_frame",
+]
 
 REFERENCES: tuple[str, ...] = ("black", "mean", "blur")
 
@@ -65,3 +93,180 @@ def scaled_blur(size: int) -> tuple[int, float]:
     """The strong-blur reference scaled to an image side: kernel 37, sigma 37 at 224 px, proportionally elsewhere."""
     kernel = max(3, round(37 * size / 224) | 1)
     return kernel, float(kernel)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The classifier's preprocessing and its inverse
+# ---------------------------------------------------------------------------------------------------------------
+
+_INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos")
+_CROP_MODES = ("center", "squash")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """How a classifier's input is cut from an image (timm's evaluation transform).
+
+    Attributes:
+        input_size: ``(H, W)`` of the classifier's input.
+        crop_pct: fraction of the resized image the centre crop keeps: the image is resized to
+            ``floor(H / crop_pct)`` (shorter side, ``"center"``) before the ``H x W`` crop; 1.0 keeps the whole
+            shorter side.
+        interpolation: PIL resampling filter name (``"bicubic"``, ``"bilinear"``, ``"nearest"``, ...).
+        crop_mode: ``"center"`` (aspect ratio kept, the longer side cropped) or ``"squash"`` (each side resized to
+            ``size / crop_pct``, aspect ratio not kept, then centre-cropped).
+    """
+
+    input_size: tuple[int, int]
+    crop_pct: float = 1.0
+    interpolation: str = "bicubic"
+    crop_mode: str = "center"
+
+    def __post_init__(self) -> None:
+        h, w = self.input_size
+        if min(h, w) < 1:
+            raise ValueError(f"input_size must be positive, got {self.input_size}")
+        if not 0.0 < self.crop_pct <= 1.0:
+            raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+        if self.interpolation not in _INTERPOLATIONS:
+            raise ValueError(f"interpolation must be one of {', '.join(_INTERPOLATIONS)}, got {self.interpolation!r}")
+        if self.crop_mode not in _CROP_MODES:
+            raise ValueError(f"crop_mode must be one of {', '.join(_CROP_MODES)}, got {self.crop_mode!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, e.g. for a settings record."""
+        return {"input_size": list(self.input_size), "crop_pct": self.crop_pct,
+                "interpolation": self.interpolation, "crop_mode": self.crop_mode}  # fmt: skip
+
+
+def data_config(
+    classifier: Any,
+    *,
+    img_size: int | None = None,
+    crop_pct: float | None = None,
+    interpolation: str | None = None,
+) -> DataConfig:
+    """The preprocessing of ``classifier`` (a :class:`~attr_engine.classifier.Classifier` or a timm model).
+
+    The crop percentage, interpolation and crop mode come from timm's data config of the model (0.95 for most
+    ResNets / ConvNeXts, 0.9 for ViTs); the input size is ``img_size``, else the classifier's recorded input size,
+    else timm's. Keyword arguments override what the model says (a classifier trained on full frames, as
+    ``train-classifier`` does, wants ``crop_pct=1.0``).
+    """
+    import timm.data
+
+    model = getattr(classifier, "model", classifier)
+    cfg: dict[str, Any] = {}
+    if getattr(model, "pretrained_cfg", None) is not None:
+        cfg = timm.data.resolve_model_data_config(model)
+    size = cfg.get("input_size", (3, 224, 224))[1:]
+    recorded = getattr(classifier, "input_size", None)
+    if img_size is not None:
+        size = (img_size, img_size)
+    elif recorded is not None:
+        size = tuple(recorded[1:])
+    interp = interpolation or cfg.get("interpolation", "bicubic")
+    mode = cfg.get("crop_mode", "center")
+    return DataConfig(
+        input_size=(int(size[0]), int(size[1])),
+        crop_pct=float(crop_pct if crop_pct is not None else cfg.get("crop_pct", 1.0)),
+        interpolation=interp if interp in _INTERPOLATIONS else "bicubic",  # timm's "random" is a training mode
+        crop_mode=mode if mode in _CROP_MODES else "center",
+    )
+
+
+@dataclass(frozen=True)
+class CropGeometry:
+    """Where the classifier's input lies in an image: resized to ``resized`` ``(h, w)``, then the ``size`` crop at
+    ``(top, left)`` of the resized image. All in pixels."""
+
+    image_size: tuple[int, int]
+    resized: tuple[int, int]
+    top: int
+    left: int
+    size: tuple[int, int]
+
+
+def crop_geometry(image_size: tuple[int, int], config: DataConfig) -> CropGeometry:
+    """The resize and crop :func:`preprocess` applies to an image of ``(height, width)`` (timm / torchvision
+    arithmetic: ``floor(size / crop_pct)``, the longer side truncated, the crop offset rounded)."""
+    h0, w0 = (int(v) for v in image_size)
+    if min(h0, w0) < 1:
+        raise ValueError(f"image size must be positive, got {image_size}")
+    h, w = config.input_size
+    scale_h, scale_w = math.floor(h / config.crop_pct), math.floor(w / config.crop_pct)
+    if config.crop_mode == "squash" or scale_h != scale_w:
+        hr, wr = scale_h, scale_w
+    else:
+        short = scale_h
+        if h0 <= w0:
+            hr, wr = short, int(short * w0 / h0)
+        else:
+            hr, wr = int(short * h0 / w0), short
+    hr, wr = max(hr, h), max(wr, w)
+    return CropGeometry((h0, w0), (hr, wr), round((hr - h) / 2.0), round((wr - w) / 2.0), (h, w))
+
+
+def pil_to_tensor(img: Image.Image) -> torch.Tensor:
+    """A PIL image (RGB, or mode ``F`` greyscale in [0, 1]) as ``(3, H, W)`` float32 in [0, 1]."""
+    import numpy as np
+
+    if img.mode == "F":  # high bit depth, already in [0, 1]; bicubic may overshoot: clip
+        grey = torch.from_numpy(np.asarray(img, dtype=np.float32).copy()).clamp_(0.0, 1.0)
+        return grey[None].expand(3, -1, -1).contiguous()
+    array = np.asarray(img.convert("RGB"), dtype=np.uint8)
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255.0)
+
+
+def preprocess(img: Image.Image, config: DataConfig) -> torch.Tensor:
+    """The classifier's input cut from a PIL image: resize, centre-crop (:func:`crop_geometry`).
+
+    Returns:
+        ``(3, H, W)`` float32 in [0, 1], ``(H, W) = config.input_size``.
+    """
+    from PIL import Image
+
+    geo = crop_geometry((img.height, img.width), config)
+    resample = getattr(Image.Resampling, config.interpolation.upper())
+    hr, wr = geo.resized
+    if (hr, wr) != (img.height, img.width):
+        img = img.resize((wr, hr), resample)
+    h, w = geo.size
+    return pil_to_tensor(img.crop((geo.left, geo.top, geo.left + w, geo.top + h)))
+
+
+def to_image_frame(amap: torch.Tensor, image: Any, config: DataConfig) -> torch.Tensor:
+    """A map computed on the classifier's input, drawn back on the original image it was cut from.
+
+    Every pixel of the original image takes the (bilinearly interpolated) map value at the point the resize and
+    crop moved it to; pixels the crop cut away have no value and are ``NaN``.
+
+    Args:
+        amap: ``(H, W)`` or ``(B, H, W)`` map at ``config.input_size``.
+        image: the original image: a PIL image, a ``(C, h, w)`` tensor / array, or its ``(h, w)`` size.
+        config: the preprocessing that produced the classifier's input (:func:`data_config`).
+
+    Returns:
+        ``(h, w)`` or ``(B, h, w)`` float32 on ``amap``'s device, ``NaN`` outside the crop.
+    """
+    if hasattr(image, "height") and hasattr(image, "width") and not hasattr(image, "shape"):
+        size = (int(image.height), int(image.width))
+    elif hasattr(image, "shape"):
+        size = (int(image.shape[-2]), int(image.shape[-1]))
+    else:
+        size = (int(image[0]), int(image[1]))
+    if amap.ndim not in (2, 3) or tuple(amap.shape[-2:]) != tuple(config.input_size):
+        raise ValueError(f"amap must be (H, W) or (B, H, W) with (H, W) = {config.input_size}, got {tuple(amap.shape)}")
+    batched = amap.ndim == 3
+    m = (amap if batched else amap[None]).float()[:, None]
+    geo = crop_geometry(size, config)
+    (h0, w0), (hr, wr), (h, w) = size, geo.resized, geo.size
+    # Pixel centres of the original, in the crop's pixel coordinates (continuous, 0 .. w at the crop's edges).
+    xs = (torch.arange(w0, device=m.device, dtype=torch.float32) + 0.5) * (wr / w0) - geo.left
+    ys = (torch.arange(h0, device=m.device, dtype=torch.float32) + 0.5) * (hr / h0) - geo.top
+    grid = torch.stack(torch.meshgrid(2 * xs / w - 1, 2 * ys / h - 1, indexing="xy"), dim=-1)
+    out = F.grid_sample(m, grid.expand(m.shape[0], -1, -1, -1), mode="bilinear", padding_mode="border",
+                        align_corners=False)[:, 0]  # fmt: skip
+    inside = ((ys >= 0) & (ys <= h))[:, None] & ((xs >= 0) & (xs <= w))[None, :]
+    out = out.masked_fill(~inside, float("nan"))
+    return out if batched else out[0]

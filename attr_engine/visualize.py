@@ -41,9 +41,12 @@ def overlay(image: torch.Tensor, amap: torch.Tensor) -> np.ndarray:
         raise ValueError(f"map {tuple(amap.shape)} and image {tuple(image.shape[1:])} differ in size")
     rgb = image.detach().float().clamp(0, 1).permute(1, 2, 0).cpu().numpy()
     a = amap.detach().float().cpu()
-    a = ((a - a.min()) / (a.max() - a.min()).clamp_min(1e-12)).numpy()
+    known = torch.isfinite(a)  # NaN: pixels the classifier's crop never saw
+    lo, hi = (a[known].min(), a[known].max()) if known.any() else (torch.tensor(0.0), torch.tensor(1.0))
+    a = ((a - lo) / (hi - lo).clamp_min(1e-12)).nan_to_num(0.0).numpy()
     heat = colormaps[_CMAP](a)[..., :3]
-    return np.round(255 * ((1 - _ALPHA) * rgb + _ALPHA * heat)).astype(np.uint8)
+    alpha = _ALPHA * known.numpy()[..., None]  # no colour where the map has no value
+    return np.round(255 * ((1 - alpha) * rgb + alpha * heat)).astype(np.uint8)
 
 
 def save_overlay(image: torch.Tensor, amap: torch.Tensor, path: str | os.PathLike[str]) -> None:

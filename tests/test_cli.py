@@ -112,9 +112,11 @@ def test_explain_folder_with_a_corrupt_file_writes_the_others(checkpoint, tmp_pa
     assert "broken.jpg" in err and "Traceback" not in err
     for name in good:
         amap = np.load(out / Path(name).with_suffix(".npy"))
-        assert amap.shape == (32, 32) and amap.dtype == np.float32 and np.isfinite(amap).all()
+        # In the image's frame (40 x 36): the rows the 32 px centre crop cut away are NaN, the rest is finite.
+        assert amap.shape == (40, 36) and amap.dtype == np.float32
+        assert np.isnan(amap[0]).all() and np.isfinite(amap[2:38]).all()
         overlay = Image.open(out / Path(name).with_suffix(".overlay.png"))
-        assert overlay.size == (32, 32)
+        assert overlay.size == (36, 40)
     assert not (out / "dog" / "broken.npy").exists()
     (manifest,) = _manifests(out)
     assert sorted(w["input"] for w in manifest["written"]) == sorted(good)
@@ -126,7 +128,7 @@ def test_explain_single_file_to_safetensors(checkpoint, tmp_path):
     out = tmp_path / "maps"
     assert _explain(checkpoint, tmp_path / "one.png", out, "--format", "safetensors", "--target", "4") == 0
     tensors, meta = load_safetensors(out / "one.safetensors")
-    assert tensors["map"].shape == (32, 32)
+    assert tensors["map"].shape == (40, 36)
     assert meta["target"] == "4" and meta["method"] == "gradient" and meta["input"] == "one.png"
 
 
@@ -237,7 +239,7 @@ def test_train_explain_evaluate_pipeline_with_resume_and_config(tmp_path, capsys
     explain = ["explain", str(tmp_path / "photos"), "--classifier", clf, "--aha", str(aha_dir), "--out", str(out)]
     assert main([*explain, "--refine-steps", "1", "--no-progress"]) == 0
     assert json.loads((out / "explain.json").read_text())["method"] == "aha"
-    assert all(np.load(out / Path(n).with_suffix(".npy")).shape == (32, 32) for n in names)
+    assert all(np.load(out / Path(n).with_suffix(".npy")).shape == (40, 36) for n in names)
 
     ev = tmp_path / "eval"
     evaluate = ["evaluate", "--classifier", clf, "--aha", str(aha_dir), "--methods", "aha,grad-cam", "--out", str(ev)]
@@ -394,7 +396,7 @@ def test_stale_temporaries_are_removed_and_damaged_maps_redone(checkpoint, tmp_p
     assert "3 gradient map(s) written" in summary and "2 already done" in summary, summary
     assert not any(p.exists() for p in stale) and (out / "d" / "notes.tmp").is_file()
     for i in range(5):
-        assert np.load(out / "d" / f"img{i}.npy").shape == (32, 32)
+        assert np.load(out / "d" / f"img{i}.npy").shape == (40, 36)
         Image.open(out / "d" / f"img{i}.overlay.png").verify()
 
 
@@ -472,3 +474,19 @@ def test_crafted_classifier_checkpoints_are_one_line(checkpoint, tmp_path, capsy
     assert _explain(crafted, tmp_path / "images", tmp_path / "maps") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and "Traceback" not in err[0], err
+
+
+def test_model_frame_keeps_the_crop_and_limit_counts_maps_written(checkpoint, tmp_path, capsys):
+    src = tmp_path / "images"
+    _images(src, ["a.png", "c.png", "d.png"])
+    (src / "b.png").write_bytes(b"not a png")  # sorted between the good ones: it must not use up --limit
+    out = tmp_path / "maps"
+    assert _explain(checkpoint, src, out, "--model-frame", "--limit", "2", "--png") == 0
+    assert np.load(out / "a.npy").shape == (32, 32) and np.load(out / "c.npy").shape == (32, 32)
+    assert Image.open(out / "a.overlay.png").size == (32, 32)
+    assert not (out / "d.npy").exists()
+    summary = capsys.readouterr().out
+    assert "2 gradient map(s) written" in summary and "1 unreadable" in summary, summary
+    # The image frame is another setting: refused in the same directory, not mixed.
+    assert _explain(checkpoint, src, out) == 2
+    assert "frame 'model' -> 'image'" in capsys.readouterr().err

@@ -1,6 +1,10 @@
 """``explain``: attribution maps for an image file, a folder or an ImageFolder tree, resumable and shardable.
 
 Every input ``root/a/b.jpg`` gets ``OUT/a/b.npy`` (or ``.safetensors``) and, with ``--png``, ``OUT/a/b.overlay.png``.
+The classifier sees the image as timm's evaluation transform cuts it (resize the shorter side to
+``input / crop_pct``, centre crop, the model's interpolation: :func:`attr_engine.imageops.data_config`); the map
+is then written in the original image's frame, pixel for pixel aligned with it, the border the crop cut away
+``NaN`` (and left uncoloured in the overlay). ``--model-frame`` keeps the map at the classifier's input size.
 Every output is written atomically (temporary file, then rename), so a killed run leaves nothing half-written, and
 running the same command again does only what is missing. An input counts as done when its outputs exist, read back
 as valid files of the expected shape, *and* the journal says they were made with the current settings: after each
@@ -61,9 +65,11 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
         "explain",
         help="attribution maps for an image, a folder or an ImageFolder tree (resumable, shards under torchrun)",
         description="Attribution maps for an image file, a folder or an ImageFolder tree: one .npy / .safetensors "
-        "map per image (plus an overlay PNG with --png), mirroring the input tree under --out. Inputs are resized "
-        "(shorter side) and centre-cropped to the classifier's input size; maps are at that size. Maps already "
-        "written are skipped, so an interrupted run resumes; under torchrun every process takes its share.",
+        "map per image (plus an overlay PNG with --png), mirroring the input tree under --out. Each image is "
+        "preprocessed as the classifier expects (timm's data config: resize, centre crop of crop_pct, "
+        "interpolation) and its map is written at the image's own size, aligned with it; pixels the crop cut "
+        "away are NaN (uncoloured in the overlay). Maps already written are skipped, so an interrupted run "
+        "resumes; under torchrun every process takes its share.",
     )
     p.add_argument("input", metavar="INPUT", help="an image file, a folder of images, or an ImageFolder tree")
     p.add_argument("--out", "-o", default="attributions", help="output directory (default: ./attributions)")
@@ -87,6 +93,17 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
     p.add_argument("--png", action="store_true", help="also write a heat-map overlay PNG per image")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--img-size", type=int, help="input side (default: the classifier's, else 224)")
+    p.add_argument(
+        "--crop-pct",
+        type=float,
+        help="fraction of the resized image the centre crop keeps (default: timm's for --model, e.g. 0.95 for "
+        "ResNets, 0.9 for ViTs; 1.0 for a --classifier checkpoint, trained on whole frames)",
+    )
+    p.add_argument(
+        "--model-frame",
+        action="store_true",
+        help="write maps at the classifier's input size (the cropped square) instead of the image's frame",
+    )
     p.add_argument("--workers", type=int, default=0, help="image-decoding worker processes")
     p.add_argument(
         "--seed", type=int, default=0, help="seeds torch's RNG and AHA refinement (rise, smoothgrad: --option seed=N)"
@@ -137,31 +154,46 @@ def list_inputs(src: Path, fmt: str) -> tuple[list[Item], Any]:
     return items, reader
 
 
+@dataclass
+class _Input:
+    """A decoded input: the classifier's view ``x (3, H, W)``, the original's ``(h, w)`` and, for overlays, the
+    original as ``(3, h, w)`` uint8 (uint8 because a batch of 12-megapixel photos in float32 is gigabytes)."""
+
+    item: Item
+    x: torch.Tensor | None
+    size: tuple[int, int] = (0, 0)
+    original: torch.Tensor | None = None
+    error: str | None = None
+
+
 class _Decoded:
-    """Decodes items with the folder reader; a file that fails comes back as its error message, not an exception.
+    """Decodes and preprocesses items; a file that fails comes back as its error message, not an exception.
 
     A map-style dataset (``__len__`` and ``__getitem__`` are all a DataLoader needs), not a ``torch`` subclass, so
     that defining it imports nothing.
     """
 
-    def __init__(self, items: list[Item], reader: Any, img_size: int) -> None:
-        self.items, self.reader = items, reader
-        self.reader.img_size = img_size
-        self.index = {path: i for i, (path, _) in enumerate(reader.samples)}
+    def __init__(self, items: list[Item], reader: Any, config: Any, keep_original: bool) -> None:
+        self.items, self.reader, self.config, self.keep_original = items, reader, config, keep_original
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, i: int) -> tuple[Item, torch.Tensor | None, str | None]:
+    def __getitem__(self, i: int) -> _Input:
+        import torch
+
+        from attr_engine.imageops import pil_to_tensor, preprocess
+
         item = self.items[i]
         try:
-            image, _ = self.reader[self.index[item.path]]
+            img = self.reader._decode(item.path)
         except ValueError as err:
-            return item, None, str(err)
-        return item, image, None
+            return _Input(item, None, error=str(err))
+        original = pil_to_tensor(img).mul_(255).round_().to(torch.uint8) if self.keep_original else None
+        return _Input(item, preprocess(img, self.config), (img.height, img.width), original)
 
 
-def _settings(args: argparse.Namespace, method: str, options: dict[str, Any], classifier: Any, img_size: int) -> dict:
+def _settings(args: argparse.Namespace, method: str, options: dict[str, Any], classifier: Any, config: Any) -> dict:
     from attr_engine.aha.model import classifier_fingerprint
 
     settings = {
@@ -169,7 +201,9 @@ def _settings(args: argparse.Namespace, method: str, options: dict[str, Any], cl
         "options": options,
         "target": args.target,
         "format": args.format,
-        "img_size": img_size,
+        "img_size": config.input_size[0],
+        "preprocess": config.to_dict(),
+        "frame": "model" if args.model_frame else "image",
         "classifier": classifier_fingerprint(classifier),
     }
     if method == "aha":
@@ -232,8 +266,13 @@ def read_journal(out: Path) -> dict[str, str]:
     return {key: digest for key, (_, digest) in newest.items()}
 
 
-def valid_output(path: Path, fmt: str, size: int) -> bool:
-    """Whether ``path`` reads back as a complete map (``fmt``) of ``size x size``, or a complete PNG (``"png"``)."""
+def valid_output(path: Path, fmt: str, shape: tuple[int, int] | None = None) -> bool:
+    """Whether ``path`` reads back as a complete 2-D float32 map (``fmt``) - of ``shape`` when given (maps in an
+    image's frame take that image's size) - or a complete PNG (``"png"``)."""
+
+    def fits(got: tuple[int, ...]) -> bool:
+        return len(got) == 2 and (shape is None or got == tuple(shape))
+
     import numpy as np
 
     if not path.is_file():
@@ -241,12 +280,12 @@ def valid_output(path: Path, fmt: str, size: int) -> bool:
     try:
         if fmt == "npy":
             arr = np.load(path, mmap_mode="r", allow_pickle=False)
-            return arr.shape == (size, size) and arr.dtype == np.float32
+            return fits(arr.shape) and arr.dtype == np.float32
         if fmt == "safetensors":
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt") as f:
-                return "map" in f.keys() and tuple(f.get_slice("map").get_shape()) == (size, size)
+                return "map" in f.keys() and fits(tuple(f.get_slice("map").get_shape()))
         from PIL import Image
 
         with Image.open(path) as im:
@@ -303,6 +342,7 @@ def run_explain(args: argparse.Namespace) -> int:
 
     from attr_engine.checkpoint import save_json
     from attr_engine.distributed import process_rank, shard
+    from attr_engine.imageops import data_config, to_image_frame
     from attr_engine.visualize import save_overlay
 
     for flag in ("batch_size", "limit", "img_size"):
@@ -335,6 +375,13 @@ def run_explain(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     classifier = load_classifier_args(args, device, img_size=args.img_size)
     img_size = args.img_size or (classifier.input_size[1] if classifier.input_size else 224)
+    # A train-classifier / demo checkpoint learnt on whole frames (resized, crop_pct 1.0); a timm model on timm's crop.
+    crop_pct = args.crop_pct if args.crop_pct is not None else (1.0 if args.classifier else None)
+    try:
+        config = data_config(classifier, img_size=img_size, crop_pct=crop_pct)
+    except ValueError as err:
+        raise UsageError(f"--crop-pct: {err}") from None
+    model_shape = config.input_size if args.model_frame else None
     explainer = build_explainer(
         method, classifier, aha_dir=args.aha, refine_steps=args.refine_steps, seed=args.seed, options=options
     )
@@ -344,7 +391,7 @@ def run_explain(args: argparse.Namespace) -> int:
     if args.target == "label" and any(item.label >= num_classes for item in items):
         raise UsageError(f"--target label: the tree has more class folders than the classifier's {num_classes} classes")
     out = check_writable_dir(out)
-    settings = _settings(args, method, options, classifier, img_size)
+    settings = _settings(args, method, options, classifier, config)
     _check_settings(out, settings, args.overwrite)
     digest = settings_digest(settings)
 
@@ -355,23 +402,22 @@ def run_explain(args: argparse.Namespace) -> int:
     def done(item: Item) -> bool:
         if journal.get(item.map_file.as_posix()) != digest:
             return False  # missing, or made with other settings (an interrupted --overwrite)
-        if not valid_output(out / item.map_file, args.format, img_size):
+        if not valid_output(out / item.map_file, args.format, model_shape):
             return False
-        return not args.png or valid_output(out / item.png_file, "png", img_size)
+        return not args.png or valid_output(out / item.png_file, "png")
 
     finished = [False] * len(mine) if args.overwrite else [done(item) for item in mine]
     todo = [item for item, f in zip(mine, finished, strict=True) if not f]
     already = [item.name for item, f in zip(mine, finished, strict=True) if f]
-    if args.limit is not None:
-        todo = todo[: args.limit]
+    # --limit counts maps written: unreadable files among the inputs do not use it up (the loop stops at the limit).
+    limit = len(todo) if args.limit is None else args.limit
 
     written: list[dict[str, Any]] = []
     unreadable: list[dict[str, str]] = []
-    loader = DataLoader(
-        _Decoded(todo, reader, img_size), batch_size=args.batch_size, num_workers=args.workers, collate_fn=list
-    )
+    decoded = _Decoded(todo, reader, config, keep_original=args.png and not args.model_frame)
+    loader = DataLoader(decoded, batch_size=args.batch_size, num_workers=args.workers, collate_fn=list)
     start = time.perf_counter()
-    bar = tqdm(total=len(todo), desc=f"explain [{rank}/{world}]" if world > 1 else "explain", unit="img",
+    bar = tqdm(total=min(len(todo), limit), desc=f"explain [{rank}/{world}]" if world > 1 else "explain", unit="img",
                disable=args.no_progress or not todo, dynamic_ncols=True)  # fmt: skip
     work_started()
     torch.manual_seed(args.seed)
@@ -380,24 +426,34 @@ def run_explain(args: argparse.Namespace) -> int:
     journal_path.parent.mkdir(parents=True, exist_ok=True)
     with bar, open(journal_path, "a", encoding="utf-8") as journal_file:
         for batch in loader:
-            good = [(item, image) for item, image, _ in batch if image is not None]
-            for item, _, error in batch:
-                if error is not None:
-                    unreadable.append({"input": item.name, "reason": error})
-                    if src.is_dir():  # a single input file that cannot be read is the error reported below
-                        bar.write(f"attr-engine explain: warning: skipped unreadable input: {error}", file=sys.stderr)
+            if len(written) >= limit:
+                break
+            good = []
+            for entry in batch:
+                if entry.error is None:
+                    good.append(entry)
+                    continue
+                unreadable.append({"input": entry.item.name, "reason": entry.error})
+                if src.is_dir():  # a single input file that cannot be read is the error reported below
+                    bar.write(f"attr-engine explain: warning: skipped unreadable input: {entry.error}", file=sys.stderr)
+            good = good[: limit - len(written)]
             if good:
-                batch_items = [item for item, _ in good]
-                x = torch.stack([image for _, image in good]).to(device)
+                batch_items = [entry.item for entry in good]
+                x = torch.stack([entry.x for entry in good]).to(device)
                 target = _target_tensor(args.target, batch_items)
                 with torch.no_grad():
                     target = classifier(x).argmax(1) if target is None else target.to(device)
                 maps = explainer.attribute(x, target).float().cpu()
-                for item, image, amap, t in zip(batch_items, x.cpu(), maps, target.tolist(), strict=True):
+                for entry, image, amap, t in zip(good, x.cpu(), maps, target.tolist(), strict=True):
+                    item = entry.item
                     meta = {"input": item.name, "method": method, "target": str(t)}
+                    if not args.model_frame:
+                        amap = to_image_frame(amap, entry.size, config)
+                        meta["frame"] = "image"
                     _write_map(amap.contiguous(), out / item.map_file, args.format, meta)
                     if args.png:
-                        save_overlay(image, amap, out / item.png_file)
+                        shown = image if args.model_frame else entry.original.float().div_(255)
+                        save_overlay(shown, amap, out / item.png_file)
                     # One line per finished input, after its files are in place: a kill before it redoes the input.
                     line = {"output": item.map_file.as_posix(), "digest": digest, "time_ns": time.time_ns()}
                     journal_file.write(json.dumps(line) + "\n")
@@ -407,7 +463,7 @@ def run_explain(args: argparse.Namespace) -> int:
                         save_json(settings, out / SETTINGS_FILE)
                         recorded = True
                     written.append({"input": item.name, "output": item.map_file.as_posix(), "target": t})
-            bar.update(len(batch))
+            bar.update(len(good))
 
     if src.is_file() and unreadable:
         raise UsageError(unreadable[0]["reason"])
