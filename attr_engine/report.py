@@ -130,46 +130,16 @@ def _figure(width: float, height: float) -> Any:
 def plot_curves(
     curves: Mapping[str, Mapping[str, torch.Tensor]], path: str | os.PathLike[str], *, title: str = ""
 ) -> Path:
-    """Deletion and insertion curves, one line per method, side by side; written as PNG.
+    """Deletion and insertion curves, one colour per method, side by side; written as PNG.
 
     Args:
-        curves: ``{method: {"fractions": (F,), "deletion": (F,), "insertion": (F,)}}`` (mean curves); both AUCs
-            are shown in the legend, right of the plots.
+        curves: ``{method: {"fractions": (F,), "deletion": (F,), "insertion": (F,)}}`` (mean curves, the AHA
+            protocol); both AUCs are shown in the legend. Drawn by :func:`attr_engine.visualize.plot_curves`.
         path: the PNG to write (parents created).
     """
-    if not curves:
-        raise ValueError("curves is empty")
-    from matplotlib import colormaps
+    from attr_engine.visualize import plot_curves as draw
 
-    # tab20 keeps up to 20 methods apart by colour; beyond that the line style changes too.
-    palette = colormaps["tab20"]
-    fig = _figure(12.5, 4.2)
-    axes = fig.subplots(1, 2)
-    handles = []
-    for i, (method, c) in enumerate(curves.items()):
-        frac = c["fractions"].float().cpu()
-        style = {"color": palette(i % 20), "linestyle": ("-", "--", ":")[(i // 20) % 3]}
-        aucs = []
-        for ax, key in zip(axes, ("deletion", "insertion"), strict=True):
-            y = c[key].float().cpu()
-            (line,) = ax.plot(frac.numpy(), y.numpy(), **style)
-            aucs.append(float(torch.trapezoid(y, frac)))
-        handles.append((line, f"{method}: del {aucs[0]:.3f}, ins {aucs[1]:.3f}"))
-    for ax, key, better in zip(axes, ("deletion", "insertion"), ("lower", "higher"), strict=True):
-        ax.set_title(f"{key} ({better} AUC is better)")
-        ax.set_xlabel("fraction of pixels removed")
-        ax.set_ylabel("target probability")
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-    fig.legend([h for h, _ in handles], [label for _, label in handles], loc="center right", fontsize=7)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0, 0.78, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+    return draw(curves, path, title=title)
 
 
 def plot_heatmaps(
@@ -178,50 +148,24 @@ def plot_heatmaps(
     path: str | os.PathLike[str],
     *,
     title: str = "",
-    cmap: str = "jet",
-    alpha: float = 0.55,
+    cmap: str | None = None,
+    alpha: float = 0.7,
+    row_labels: Sequence[str] | None = None,
 ) -> Path:
-    """A grid with one row per image: the image, then each method's map over it; written as PNG.
+    """A grid with one row per image: the image, then each method's map over it, colour bars; written as PNG.
 
-    Each map is scaled to [0, 1] on its own (min to max), so the grid compares where methods point, not magnitudes.
+    Drawn by :func:`attr_engine.visualize.plot_maps` (signed maps diverging around zero, others sequential, each
+    scaled to its 99th percentile).
 
     Args:
         images: (k, 3, H, W) in [0, 1].
         maps: ``{method: (k, H, W)}``.
         path: the PNG to write (parents created).
+        row_labels: one label per image (class and probability).
     """
-    if images.ndim != 4 or images.shape[1] != 3:
-        raise ValueError(f"images must be (k, 3, H, W), got {tuple(images.shape)}")
-    if not maps:
-        raise ValueError("maps is empty")
-    k = images.shape[0]
-    for name, m in maps.items():
-        if m.shape[0] < k or m.shape[-2:] != images.shape[-2:]:
-            raise ValueError(f"maps[{name!r}] must be (>= {k}, H, W) like the images, got {tuple(m.shape)}")
-    cols = 1 + len(maps)
-    fig = _figure(1.6 * cols, 1.6 * k + (0.4 if title else 0.2))
-    axes = fig.subplots(k, cols, squeeze=False)
-    for i in range(k):
-        img = images[i].float().clamp(0, 1).permute(1, 2, 0).cpu().numpy()
-        axes[i, 0].imshow(img)
-        for j, (name, m) in enumerate(maps.items(), start=1):
-            a = m[i].float().cpu()
-            a = (a - a.min()) / (a.max() - a.min()).clamp_min(1e-12)
-            axes[i, j].imshow(img)
-            axes[i, j].imshow(a.numpy(), cmap=cmap, alpha=alpha, vmin=0, vmax=1)
-            if i == 0:
-                axes[i, j].set_title(name, fontsize=7)
-        if i == 0:
-            axes[i, 0].set_title("image", fontsize=7)
-    for ax in axes.flat:
-        ax.set_axis_off()
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+    from attr_engine.visualize import plot_maps
+
+    return plot_maps(images, maps, path, title=title, cmap=cmap, alpha=alpha, row_labels=row_labels)
 
 
 def write_report(board: Leaderboard, out_dir: str | os.PathLike[str], *, stem: str = "leaderboard") -> dict[str, Path]:

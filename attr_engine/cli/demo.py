@@ -37,7 +37,7 @@ from attr_engine.cli._common import (
     resolve_device,
     work_started,
 )
-from attr_engine.cli.scoring import markdown, plain_table, run_leaderboard, write_board
+from attr_engine.cli.scoring import markdown, plain_table, row_labels, run_leaderboard, write_board
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,8 @@ def run_demo(args: argparse.Namespace) -> int:
         "total_seconds": round(total, 2),
         "machine": machine_summary(device),
     }
-    files = write_board(board, out, results=results)
+    labels = row_labels(classifier, board.images, eval_set.class_names) if board.images is not None else None
+    files = write_board(board, out, results=results, labels=labels)
     _write_report(out, args, sizes, board, results, files)
 
     setting = f"seed {args.seed}, {args.model}, {sizes.img_size} px, {device}"

@@ -91,6 +91,14 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
     )
     p.add_argument("--format", choices=FORMATS, default="npy", help="map file format: npy (default) or safetensors")
     p.add_argument("--png", action="store_true", help="also write a heat-map overlay PNG per image")
+    p.add_argument(
+        "--cmap",
+        help="matplotlib colour map of the overlays (default: RdBu_r, centred at 0, for signed maps; inferno for "
+        "non-negative ones)",
+    )
+    p.add_argument(
+        "--alpha", type=float, default=0.7, help="overlay opacity of the strongest values, 0 to 1 (default 0.7)"
+    )
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--img-size", type=int, help="input side (default: the classifier's, else 224)")
     p.add_argument(
@@ -345,6 +353,13 @@ def run_explain(args: argparse.Namespace) -> int:
     from attr_engine.imageops import data_config, to_image_frame
     from attr_engine.visualize import save_overlay
 
+    if not 0.0 <= args.alpha <= 1.0:
+        raise UsageError(f"--alpha must be between 0 and 1, got {args.alpha}")
+    if args.cmap is not None:
+        from matplotlib import colormaps
+
+        if args.cmap not in colormaps:
+            raise UsageError(f"--cmap: unknown matplotlib colour map {args.cmap!r} (e.g. RdBu_r, inferno, viridis)")
     for flag in ("batch_size", "limit", "img_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -453,7 +468,7 @@ def run_explain(args: argparse.Namespace) -> int:
                     _write_map(amap.contiguous(), out / item.map_file, args.format, meta)
                     if args.png:
                         shown = image if args.model_frame else entry.original.float().div_(255)
-                        save_overlay(shown, amap, out / item.png_file)
+                        save_overlay(shown, amap, out / item.png_file, cmap=args.cmap, alpha=args.alpha)
                     # One line per finished input, after its files are in place: a kill before it redoes the input.
                     line = {"output": item.map_file.as_posix(), "digest": digest, "time_ns": time.time_ns()}
                     journal_file.write(json.dumps(line) + "\n")

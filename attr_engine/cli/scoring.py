@@ -111,15 +111,27 @@ def _fmt(value: Any, column: str) -> str:
     return str(value)
 
 
-def write_board(board: Any, out: Path, *, results: dict[str, Any]) -> dict[str, Path]:
-    """``leaderboard.csv``, ``overlays.png`` (kept images, every method side by side), ``curves.png`` and
-    ``results.json`` (``results`` plus the table rows and mean curves) in ``out``."""
+def row_labels(classifier: Any, images: torch.Tensor, class_names: Any = None) -> list[str]:
+    """``"circle, p = 0.97"`` per image: the predicted class (by name when known) and its probability."""
+    import torch
+
+    with torch.no_grad():
+        probs = classifier(images.to(next(classifier.parameters()).device)).softmax(1).cpu()
+    p, k = probs.max(1)
+    names = list(class_names or ())
+    pairs = zip(p.tolist(), k.tolist(), strict=True)
+    return [f"{names[c] if c < len(names) else f'class {c}'}, p = {q:.2f}" for q, c in pairs]
+
+
+def write_board(board: Any, out: Path, *, results: dict[str, Any], labels: list[str] | None = None) -> dict[str, Path]:
+    """``leaderboard.csv``, ``overlays.png`` (kept images, every method side by side, ``labels`` per row),
+    ``curves.png`` and ``results.json`` (``results`` plus the table rows and mean curves) in ``out``."""
     from attr_engine.checkpoint import save_json
     from attr_engine.report import plot_curves, plot_heatmaps, write_csv
 
     files = {"csv": write_csv(board.rows, out / "leaderboard.csv", board.columns)}
     if board.images is not None and len(board.images) and board.maps:
-        files["overlays"] = plot_heatmaps(board.images, board.maps, out / "overlays.png")
+        files["overlays"] = plot_heatmaps(board.images, board.maps, out / "overlays.png", row_labels=labels)
     if board.curves:
         files["curves"] = plot_curves(board.curves, out / "curves.png")
     curves = {m: {k: v.tolist() for k, v in c.items()} for m, c in board.curves.items()}
@@ -206,7 +218,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
     if out is not None:
         setup = {"data": args.data, "images": len(data[0]), "img_size": img_size, "target": args.target,
                  "seed": args.seed, "methods": list(methods), "metrics": metrics}  # fmt: skip
-        files = write_board(board, out, results={"setup": setup})
+        labels = row_labels(classifier, board.images) if board.images is not None else None
+        files = write_board(board, out, results={"setup": setup}, labels=labels)
         text = [f"# attr-engine evaluation\n\n{len(data[0])} images from `{args.data}`, {img_size} px, target: "
                 f"{args.target}, seed {args.seed}.\n", markdown(board)]  # fmt: skip
         if "overlays" in files:
