@@ -490,3 +490,34 @@ def test_model_frame_keeps_the_crop_and_limit_counts_maps_written(checkpoint, tm
     # The image frame is another setting: refused in the same directory, not mixed.
     assert _explain(checkpoint, src, out) == 2
     assert "frame 'model' -> 'image'" in capsys.readouterr().err
+
+
+def test_random_weights_warn_and_offline_pretrained_fails_in_one_line(tmp_path, monkeypatch, capsys):
+    import socket
+    import time
+
+    import huggingface_hub.constants
+
+    from attr_engine.cli import _common
+
+    src = tmp_path / "p.png"
+    _images(tmp_path, ["p.png"])
+    common = ["explain", str(src), "--model", "resnet10t", "--img-size", "32", "--no-progress", "--method", "gradient"]
+    assert main([*common, "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "uses random weights" in err and len(err.strip().splitlines()) == 1
+
+    def unreachable(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert _common.hub_reachable_or_offline() is False
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and huggingface_hub.constants.HF_HUB_OFFLINE is True
+    start = time.perf_counter()
+    assert main([*common, "--pretrained", "--out", str(tmp_path / "b")]) == 2
+    assert time.perf_counter() - start < 20
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hub is unreachable" in err[0], err

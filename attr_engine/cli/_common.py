@@ -237,22 +237,64 @@ def load_classifier_args(args: argparse.Namespace, device: torch.device, *, img_
             raise UsageError(f"{checkpoint} does not record its architecture; name it with --model NAME")
     if name in SMALL_MODELS:
         raise UsageError(f"{name!r} is a train-classifier preset; pass the checkpoint it wrote with --classifier")
+    if checkpoint is None and not args.pretrained:
+        import warnings
+
+        # Maps of an untrained network explain nothing; say so once instead of silently using random weights.
+        warnings.warn(
+            f"--model {name} without --pretrained or --classifier uses random weights; its maps explain an "
+            "untrained network",
+            stacklevel=2,
+        )
     clf = open_classifier(
         name, pretrained=args.pretrained, num_classes=args.num_classes, img_size=img_size, checkpoint=checkpoint
     )
     return clf.to(device)
 
 
+HUB_HOST = ("huggingface.co", 443)
+
+
+def hub_reachable_or_offline(timeout: float = 3.0) -> bool:
+    """Probe the Hugging Face hub once; when it cannot be reached, switch the hub client to offline mode.
+
+    Offline, weights already in the local cache still load and missing ones fail at once with one error, instead
+    of the client's retries (about 45 s of them). Returns whether the hub answered.
+    """
+    import socket
+    import sys
+
+    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+        return False
+    try:
+        with socket.create_connection(HUB_HOST, timeout=timeout):
+            return True
+    except OSError:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        constants = sys.modules.get("huggingface_hub.constants")
+        if constants is not None:  # already imported: it read the variable at import time
+            constants.HF_HUB_OFFLINE = True
+        return False
+
+
 def open_classifier(name: str, **kwargs: Any) -> Classifier:
     """:func:`~attr_engine.classifier.load_classifier` with download and file failures turned into one-line errors."""
     from attr_engine.classifier import load_classifier
 
+    if kwargs.get("pretrained"):
+        hub_reachable_or_offline()
     try:
         return load_classifier(name, **kwargs)
-    except FileNotFoundError as err:
-        raise UsageError(str(err)) from None
     except (RuntimeError, OSError) as err:
-        # Pretrained downloads fail as RuntimeError / OSError (no network, no such tag on the hub).
+        # Pretrained downloads fail as RuntimeError / OSError (no network, no such tag on the hub); the hub's
+        # offline miss is a FileNotFoundError too.
+        if kwargs.get("pretrained") and os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+            raise UsageError(
+                f"cannot load {name!r} with --pretrained: the Hugging Face hub is unreachable (offline) and its "
+                "weights are not in the local cache"
+            ) from None
+        if isinstance(err, FileNotFoundError):
+            raise UsageError(str(err)) from None
         raise UsageError(f"cannot load {name!r}: {' '.join(str(err).split())[:300]}") from None
 
 

@@ -97,6 +97,25 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
     return {"demo": p}
 
 
+# Grad-CAM's map is as coarse as its layer: at 64 px the small ResNet's last stage is 2 x 2 (four blocks, pointing
+# game near 0 by construction). The demo takes the deepest CNN stage with at least this many cells per side.
+GRADCAM_MIN_SIDE = 8
+
+
+def gradcam_layer(classifier: Any, img_size: int) -> tuple[str | None, int]:
+    """The CNN stage Grad-CAM reads on the demo classifier, and its side in cells (``None``: the method's default,
+    a ViT's last block on its token grid)."""
+    from attr_engine.baselines.cam import is_vit
+
+    model = classifier.model
+    if is_vit(model) or not getattr(model, "feature_info", None):
+        patch = getattr(getattr(model, "patch_embed", None), "grid_size", (0,))[0]
+        return None, int(patch)
+    stages = [f for f in model.feature_info if img_size // f["reduction"] >= GRADCAM_MIN_SIDE]
+    stage = stages[-1] if stages else model.feature_info[0]
+    return stage["module"], img_size // stage["reduction"]
+
+
 def _sizes(args: argparse.Namespace) -> DemoSizes:
     preset = QUICK if args.quick else DEFAULT
     overrides = {}
@@ -223,8 +242,10 @@ def run_demo(args: argparse.Namespace) -> int:
         methods[f"AHA (T={sizes.refine_steps})"] = get_explainer(
             "aha", classifier, aha=aha, refine_steps=sizes.refine_steps, seed=args.seed
         )
+    cam_layer, cam_side = gradcam_layer(classifier, sizes.img_size)
     for name, key in compared.items():
-        methods[name] = get_explainer(key, classifier)
+        extra = {"layer": cam_layer} if key == "grad-cam" and cam_layer is not None else {}
+        methods[name] = get_explainer(key, classifier, **extra)
     board = run_leaderboard(
         classifier,
         methods,
@@ -249,6 +270,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "classifier_accuracy": accuracy,
         "classifier_epochs": epochs_log,
         "aha_soft_auc": {k: {"first_steps": a, "last_steps": b} for k, (a, b) in aha_trend.items()},
+        "gradcam_layer": {"layer": cam_layer or "last block (tokens)", "side": cam_side},
         "stage_seconds": {k: round(v, 2) for k, v in seconds.items()},
         "total_seconds": round(total, 2),
         "machine": machine_summary(device),
@@ -311,7 +333,13 @@ def _write_report(
         "higher is better); 21 points, pixel-level ranking (the AHA protocol). Pointing game: the map's maximum lies "
         "on the object; energy pointing game: share of the positive map mass on the object. ms/image: attribution "
         f"time per image in batches of 16 on `{machine['device']}`. AHA (T=k) refines the decoder for k steps on "
-        "each batch.",
+        f"each batch. Grad-CAM reads `{results['gradcam_layer']['layer']}` ({results['gradcam_layer']['side']} x "
+        f"{results['gradcam_layer']['side']} cells at {sizes.img_size} px)"
+        + (
+            ": the last stage of this small network is too coarse for objects this size."
+            if results["gradcam_layer"]["layer"] != "last block (tokens)"
+            else "."
+        ),
         "",
     ]
     if "overlays" in files:
