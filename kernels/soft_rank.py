@@ -15,14 +15,19 @@ Three paths, one definition:
   autograd. It keeps every iterate, O(n_iters * B * N^2) memory (about 5 GB at B=32, N=784, 30 iterations).
 - Structured reference (pure PyTorch, any device): the cost is rank one up to row/column constants, so K is never
   saved. Only the potentials u, v (B, N) of every iteration are kept, O(B * N * n_iters). Per chunk of the batch the
-  kernel matrix E = exp(K + u_ref + v_ref) is formed once (float64) and every Sinkhorn half-step becomes a matrix-vector
-  product with diagonal rescalings (the log-stabilised scaling form); the backward of the unrolled iterations is again
-  matrix-vector products with the same E. When potentials drift too far from the reference pair E is re-formed, and a
-  half-step whose sums would underflow is done exactly in the log domain, so scores of any scale and tiny tau stay
-  finite. The Gumbel noise is regenerated from per-sample seeds in the backward instead of being stored.
-- Triton (fused): one program per sample runs all iterations in the log domain over N x N tiles, regenerating K and
-  the Philox Gumbel noise on the fly; the masks are accumulated in the last pass with a small matrix product, so
-  neither K nor P is ever written. The backward kernel replays the recurrence from the saved potentials.
+  kernel matrix E = exp(K + u_ref + v_ref) is formed once (float64 for float64 scores, float32 otherwise; potentials
+  always float64) and every Sinkhorn half-step becomes a batched matrix-vector product with diagonal rescalings (the
+  log-stabilised scaling form); the backward of the unrolled iterations is again matrix-vector products with the
+  same E. When potentials drift too far from the reference pair E is re-formed, and a half-step whose sums would
+  underflow is done exactly in the log domain, so scores of any scale and tiny tau stay finite. The Gumbel noise is
+  regenerated from per-sample seeds in the backward instead of being stored. Registered as a custom op, so
+  ``torch.compile`` sees one node. Chunks hold one sample per cache-sized slab on one thread and at least two
+  samples per thread otherwise (see :func:`_chunk_size`).
+- Triton (fused): one launch per Sinkhorn half-step over (sample, block of 32 rank slots or cells) programs, the
+  potentials in global memory between launches; each program regenerates its K tiles and the Philox Gumbel noise
+  on the fly, so neither K nor P is ever written. The masks are accumulated by a last kernel with a small matrix
+  product per tile; the backward replays the recurrence from the saved potentials the same way. The arithmetic of
+  this decomposition (programs per SM, work per launch) is in the comment above the kernels.
 
 Noise reproducibility: the same ``generator`` (or integer seed) gives bit-identical masks on a given backend. The
 structured reference draws per-sample noise from torch's CPU generator; the Triton path uses Philox in the kernel;
@@ -50,11 +55,11 @@ MAX_SORT_CELLS = 16384
 MAX_FRACTIONS = 65536
 # Potentials may drift this many nats from the reference pair before E is re-formed: e^150 keeps every product of a
 # stabilised entry (<= 1) and a rescaling inside float64's range, and entries that underflow below e^-745 stay
-# negligible next to the e^-150 floor of what is still resolved.
-_DRIFT = 150.0
-# A row or column sum below this is too deep in float64's tail to trust; that half-step is redone exactly.
-_TINY_SUM = 1e-200
-# Per-chunk working set of the structured path (float64 N x N matrices), sized to stay in the last-level cache.
+# negligible next to the e^-150 floor of what is still resolved. A float32 E (float32 and half inputs) allows
+# e^40 (N e^40 stays far below float32's 3e38 and e^-40 far above its 1e-38 floor).
+_DRIFT = {torch.float64: 150.0, torch.float32: 40.0}
+# A row or column sum below this is too deep in the dtype's tail to trust; that half-step is redone exactly.
+_TINY_SUM = {torch.float64: 1e-200, torch.float32: 1e-30}
 _CHUNK_BYTES = 1 << 23
 
 
@@ -208,30 +213,38 @@ class _Stabilised:
     """The kernel matrix of a chunk held as E = exp(K + u_ref + v_ref), re-formed when potentials drift.
 
     ``E`` is only ever formed at a consistent pair (the potentials right after a half-step), where either its rows or
-    its columns sum to one, so every entry is <= 1 and a rescaling by at most e^_DRIFT cannot overflow.
+    its columns sum to one, so every entry is <= 1 and a rescaling by at most e^drift cannot overflow. The
+    potentials and K stay float64; E is float64 for float64 scores and float32 otherwise: every half-step and
+    every backward step streams E once through a matrix-vector product, so its size is the cost of this path (the
+    float32 E halves it; its products sum N terms <= 1 with ~1e-7 relative error, well inside the float32 output).
     """
 
-    def __init__(self, k: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> None:
+    def __init__(self, k: torch.Tensor, u: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
         self.k = k
+        self.dtype = dtype
+        self.drift, self.tiny = _DRIFT[dtype], _TINY_SUM[dtype]
         self.u_ref = u.clone()
         self.v_ref = v.clone()
-        self.e = torch.exp(k + u[:, :, None] + v[:, None, :])
+        self.e = torch.exp(k + u[:, :, None] + v[:, None, :]).to(dtype)
 
     def refresh(self, u: torch.Tensor, v: torch.Tensor, *, force: bool = False) -> None:
         """Re-form E for the samples whose potentials left the drift window (all of them when ``force``)."""
         drift = torch.maximum((u - self.u_ref).abs().amax(1), (v - self.v_ref).abs().amax(1))
-        stale = torch.ones_like(drift, dtype=torch.bool) if force else drift > _DRIFT
+        stale = torch.ones_like(drift, dtype=torch.bool) if force else drift > self.drift
         if bool(stale.any()):
             idx = stale.nonzero().squeeze(1)
             self.u_ref[idx] = u[idx]
             self.v_ref[idx] = v[idx]
-            self.e[idx] = torch.exp(self.k[idx] + u[idx, :, None] + v[idx, None, :])
+            self.e[idx] = torch.exp(self.k[idx] + u[idx, :, None] + v[idx, None, :]).to(self.dtype)
+
+    def _scale(self, delta: torch.Tensor) -> torch.Tensor:
+        return torch.exp(delta).to(self.dtype)
 
     def row_update(self, v: torch.Tensor) -> torch.Tensor:
         """u = -LSE_i(K_ji + v_i) via one matrix-vector product; exact fallback where sums underflow."""
-        sums = torch.bmm(self.e, torch.exp(v - self.v_ref)[:, :, None]).squeeze(2)
-        u = self.u_ref - torch.log(sums)
-        bad = ~(sums > _TINY_SUM).all(1)
+        sums = torch.bmm(self.e, self._scale(v - self.v_ref)[:, :, None]).squeeze(2)
+        u = self.u_ref - torch.log(sums.to(torch.float64))
+        bad = ~(sums > self.tiny).all(1)
         if bool(bad.any()):
             idx = bad.nonzero().squeeze(1)
             u[idx] = _lse_rows(self.k[idx], v[idx])
@@ -239,9 +252,9 @@ class _Stabilised:
 
     def col_update(self, u: torch.Tensor) -> torch.Tensor:
         """v = -LSE_j(K_ji + u_j) via one transposed matrix-vector product; exact fallback where sums underflow."""
-        sums = torch.bmm(torch.exp(u - self.u_ref)[:, None, :], self.e).squeeze(1)
-        v = self.v_ref - torch.log(sums)
-        bad = ~(sums > _TINY_SUM).all(1)
+        sums = torch.bmm(self._scale(u - self.u_ref)[:, None, :], self.e).squeeze(1)
+        v = self.v_ref - torch.log(sums.to(torch.float64))
+        bad = ~(sums > self.tiny).all(1)
         if bool(bad.any()):
             idx = bad.nonzero().squeeze(1)
             v[idx] = _lse_cols(self.k[idx], u[idx])
@@ -249,15 +262,31 @@ class _Stabilised:
 
     def left(self, u: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Q @ x for Q = exp(K + u + v_ref) scaled on the right by x's own factors: returns diag(e^(u-u_ref)) E x."""
-        return torch.exp(u - self.u_ref)[:, :, None] * torch.bmm(self.e, x)
+        return torch.exp(u - self.u_ref)[:, :, None] * torch.bmm(self.e, x.to(self.dtype)).to(torch.float64)
 
     def right(self, u: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """E^T diag(e^(u-u_ref)) y: (c, N, m) -> (c, N, m); the caller applies the column factors."""
-        return torch.bmm(self.e.transpose(1, 2), torch.exp(u - self.u_ref)[:, :, None] * y)
+        scaled = (torch.exp(u - self.u_ref)[:, :, None] * y).to(self.dtype)
+        return torch.bmm(self.e.transpose(1, 2), scaled).to(torch.float64)
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of E: float64 for float64 scores (the definition's precision), float32 for every other input."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _chunk_size(n: int) -> int:
-    return max(1, _CHUNK_BYTES // (8 * n * n))
+    """Samples per chunk of the structured path.
+
+    One thread: as many as keep the chunk's float64 K (and its E) within _CHUNK_BYTES, so the matrix-vector products
+    stream them from cache (at N = 784 one sample; larger chunks measured slower, DRAM-bound). Several threads: at
+    least two samples per thread, so that each batched product splits across threads by sample. A product inside
+    one sample splits it and meets a barrier at every one of the ~4 T products of a step, which stalls whenever
+    another job holds a core (measured 11.6 s against 2.1 s at two threads on a loaded 2-core machine).
+    """
+    by_cache = max(1, _CHUNK_BYTES // (8 * n * n))
+    threads = torch.get_num_threads()
+    return by_cache if threads == 1 else max(by_cache, 2 * threads)
 
 
 def _structured_forward(
@@ -270,6 +299,7 @@ def _structured_forward(
     us = torch.empty(bsz, n_iters, n, dtype=torch.float64, device=scores.device)
     vs = torch.empty_like(us)
     masks = torch.empty(bsz, weights.shape[0], n, dtype=torch.float64, device=scores.device)
+    work = _work_dtype(scores.dtype)
     step = _chunk_size(n)
     for lo in range(0, bsz, step):
         hi = min(bsz, lo + step)
@@ -278,7 +308,7 @@ def _structured_forward(
         v = torch.zeros(hi - lo, n, dtype=torch.float64, device=scores.device)
         # The first half-step is exact: it fixes a reference pair at which E = exp(K + u) cannot overflow.
         u = _lse_rows(k, v)
-        mat = _Stabilised(k, u, v)
+        mat = _Stabilised(k, u, v, work)
         for t in range(n_iters):
             if t > 0:
                 mat.refresh(u, v)
@@ -289,7 +319,7 @@ def _structured_forward(
             vs[lo:hi, t] = v
         # P = diag(e^(u - u_ref)) E diag(e^(v - v_ref)); masks are W P, so rows of W are scaled before the product.
         mat.refresh(u, v, force=True)
-        masks[lo:hi] = torch.matmul(weights, mat.e)
+        masks[lo:hi] = torch.matmul(weights.to(work), mat.e)
     return masks, us, vs
 
 
@@ -313,6 +343,7 @@ def _structured_backward(
     s64 = scores.to(torch.float64)
     anchors = rank_anchors(n, dtype=torch.float64, device=scores.device)
     gm = grad_masks.to(torch.float64)
+    work = _work_dtype(scores.dtype)
     grad = torch.zeros(bsz, n, dtype=torch.float64, device=scores.device)
     step = _chunk_size(n)
     for lo in range(0, bsz, step):
@@ -321,9 +352,9 @@ def _structured_backward(
         g = None if seeds is None else noise * gumbel_noise(seeds[lo:hi], n, device=scores.device)
         k = _cost(s, anchors, g, tau)
         u_t, v_t = us[lo:hi, -1], vs[lo:hi, -1]
-        mat = _Stabilised(k, u_t, v_t)
+        mat = _Stabilised(k, u_t, v_t, work)
         # Direct term: R = dL/dP * P with dL/dP = W^T dM.
-        r = torch.matmul(weights.transpose(0, 1), gm[lo:hi]) * mat.e
+        r = (torch.matmul(weights.transpose(0, 1).to(work), gm[lo:hi].to(work)) * mat.e).to(torch.float64)
         du = r.sum(2)
         dv = r.sum(1)
         # sum_j dK_ji (s_i - a_j) accumulates in acc; ds = -2/tau * acc.
@@ -333,7 +364,7 @@ def _structured_backward(
             v_prev = vs[lo:hi, t - 1] if t > 0 else torch.zeros_like(v_t)
             # E must cover both Q_t (u_t, v_t) and Q'_t (u_t, v_(t-1)) within the drift window.
             mat.refresh(u_t, v_t)
-            if bool(((v_prev - mat.v_ref).abs().amax(1) > _DRIFT).any()):
+            if bool(((v_prev - mat.v_ref).abs().amax(1) > mat.drift).any()):
                 mat.refresh(u_t, v_t, force=True)
             col_v = torch.exp(v_t - mat.v_ref)
             col_vp = torch.exp(v_prev - mat.v_ref)
