@@ -6,7 +6,8 @@ The public API:
 - :class:`AHA`, :class:`AHAConfig` - the amortized explainer.
 - :class:`SemanticPullback`, :class:`PullbackConfig`, :func:`soft_adjoint` - soft-adjoint pullbacks on any model.
 - :mod:`attr_engine.metrics` - deletion/insertion, localisation, infidelity, sensitivity and randomisation metrics.
-- :func:`get_explainer` / :func:`list_explainers` - baselines and our methods behind one call shape.
+- :func:`get_explainer` / :func:`list_explainers` - baselines and our methods behind one call shape (Captum's);
+  :func:`quantus_explain_func` - any of them as a Quantus ``explain_func``.
 - :func:`evaluate` - a leaderboard of methods x metrics.
 - :mod:`attr_engine.data` - the embedded procedural dataset and an image-folder loader.
 - :func:`preprocess`, :func:`to_image_frame`, :func:`data_config` - the classifier's own resize and crop, and maps
@@ -29,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "AHAConfig": "attr_engine.aha",
     "get_explainer": "attr_engine.baselines",
     "list_explainers": "attr_engine.baselines",
+    "quantus_explain_func": "attr_engine.baselines",
     "Classifier": "attr_engine.classifier",
     "load_classifier": "attr_engine.classifier",
     "Leaderboard": "attr_engine.evaluate",
@@ -71,6 +73,7 @@ __all__ = [
     "load_classifier",
     "pointing_game",
     "preprocess",
+    "quantus_explain_func",
     "soft_adjoint",
     "to_image_frame",
     "train_classifier",
@@ -78,7 +81,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from attr_engine.aha import AHA, AHAConfig
-    from attr_engine.baselines import get_explainer, list_explainers
+    from attr_engine.baselines import get_explainer, list_explainers, quantus_explain_func
     from attr_engine.classifier import Classifier, load_classifier
     from attr_engine.evaluate import Leaderboard, evaluate
     from attr_engine.imageops import DataConfig, data_config, preprocess, to_image_frame

@@ -39,9 +39,11 @@ FP32 = torch.float32
 ALL = {
     "aha",
     "attention-rollout",
+    "deeplift",
     "grad-cam",
     "gradient",
     "gradient-x-input",
+    "guided-grad-cam",
     "integrated-gradients",
     "occlusion",
     "pullback-ascent",
@@ -84,6 +86,7 @@ def input_gradient(clf, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def test_registry_names_aliases_and_applicability(vit, resnet) -> None:
     assert set(list_explainers()) == ALL
     assert "attention-rollout" in list_explainers(vit) and "attention-rollout" not in list_explainers(resnet)
+    assert "guided-grad-cam" in list_explainers(resnet) and "guided-grad-cam" not in list_explainers(vit)
     assert isinstance(get_explainer("IG", resnet), IntegratedGradients)
     assert isinstance(get_explainer("grad_cam", resnet), GradCAM)
     assert get_explainer("SfP", resnet).name == "pullback-soft"
@@ -106,7 +109,7 @@ def test_every_explainer_returns_finite_pixel_maps(model, request) -> None:
         assert maps.shape == (2, 32, 32) and maps.dtype == torch.float32, name
         assert torch.isfinite(maps).all(), name
         # Grad-CAM's ReLU may legitimately zero a random network's map; every other method must respond.
-        assert name == "grad-cam" or maps.abs().sum() > 0, name
+        assert name in ("grad-cam", "guided-grad-cam") or maps.abs().sum() > 0, name
 
 
 def test_gradient_family_matches_autograd() -> None:
@@ -295,15 +298,18 @@ def test_adapters_for_quantus_and_captum() -> None:
     explainer = Gradient(clf)
     x, y = images(2, 16), torch.tensor([0, 1])
     maps = explainer.attribute(x, y)
-    out = quantus_explain_func(explainer)(model=clf.model, inputs=x.numpy(), targets=y.numpy(), device="cpu")
+    out = quantus_explain_func(explainer)(model=clf, inputs=x.numpy(), targets=y.numpy(), device="cpu")
     assert isinstance(out, np.ndarray) and out.shape == (2, 1, 16, 16)
     np.testing.assert_allclose(out[:, 0], maps.numpy())
     adapter = CaptumAdapter(explainer)
     assert adapter.forward_func is clf and not adapter.has_convergence_delta()
-    torch.testing.assert_close(adapter.attribute(x, target=y), maps[:, None])
+    # input-shaped: the per-channel gradient, whose channel mean is the map
+    per_channel = adapter.attribute(x, target=y)
+    assert per_channel.shape == x.shape
+    torch.testing.assert_close(per_channel.mean(dim=1), maps)
     (as_tuple,) = adapter.attribute((x,), target=y)
-    torch.testing.assert_close(as_tuple, maps[:, None])
-    with pytest.raises(ValueError, match="extra"):
+    torch.testing.assert_close(as_tuple, per_channel)
+    with pytest.raises(ValueError, match="takes no baselines"):
         adapter.attribute(x, target=y, baselines=0)
 
 

@@ -215,3 +215,28 @@ def test_pos_neg_defaults_accuracy_and_ordering(case) -> None:
         perturbation_auc(clf, x, maps, fractions=[0.0, 0.5, 0.5])
     with pytest.raises(ValueError, match="score"):
         perturbation_auc(clf, x, maps, score="logit")
+
+
+@pytest.mark.parametrize("name", ["gradient", "integrated-gradients", "pullback-soft"])
+def test_infidelity_of_per_channel_attributions_equals_captum_through_the_adapter(case, name) -> None:
+    """captum.metrics.infidelity on CaptumAdapter's input-shaped attributions (its docstring example) equals ours."""
+    from captum.metrics import infidelity_perturb_func_decorator
+
+    from attr_engine.baselines import CaptumAdapter, get_explainer
+
+    clf, x, _, y = case
+    options = {"n_steps": 4} if name == "integrated-gradients" else {}
+    adapter = CaptumAdapter(get_explainer(name, clf, **options))
+    attr = adapter.attribute(x, target=y)
+    assert attr.shape == x.shape
+    noise = 0.05 * torch.randn(4, *x.shape, generator=torch.Generator().manual_seed(5))
+    flat = noise.transpose(0, 1).reshape(-1, *x.shape[1:])
+
+    @infidelity_perturb_func_decorator(False)
+    def perturb(inputs: torch.Tensor) -> torch.Tensor:
+        return inputs - flat  # the decorated function returns perturbed inputs; Captum derives I = x - x_pert
+
+    with torch.no_grad():
+        ref = captum_infidelity(adapter.forward_func, perturb, x, attr, target=y, n_perturb_samples=4).float()
+    ours = infidelity_from_perturbations(clf, x, attr, noise, y, batch_size=4)
+    torch.testing.assert_close(ours, ref, **tol("infidelity", FP32))

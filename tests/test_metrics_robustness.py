@@ -64,10 +64,16 @@ def test_max_sensitivity_equals_captum_with_shared_noise(case) -> None:
         # Captum repeats each image SAMPLES times (image-major) before perturbing.
         return inputs + noise.transpose(0, 1).reshape(-1, *x.shape[1:])
 
+    # The map (repeated over channels by the adapter, which scales both norms alike) and the per-channel form.
+    ref = sensitivity_max(
+        CaptumAdapter(explainer, reduce="mean").attribute, x, perturb_func=perturb, n_perturb_samples=SAMPLES, target=y
+    )
+    ours = max_sensitivity(explainer, x, y, noise=noise)
+    torch.testing.assert_close(ours, ref.float(), **tol("max_sensitivity", FP32))
     ref = sensitivity_max(
         CaptumAdapter(explainer).attribute, x, perturb_func=perturb, n_perturb_samples=SAMPLES, target=y
     )
-    ours = max_sensitivity(explainer, x, y, noise=noise)
+    ours = max_sensitivity(lambda a, t: explainer.attribute(a, t, reduce=None), x, y, noise=noise)
     torch.testing.assert_close(ours, ref.float(), **tol("max_sensitivity", FP32))
 
 

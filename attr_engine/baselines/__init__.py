@@ -1,6 +1,6 @@
 """Attribution baselines and this project's methods behind one registry and one call shape.
 
-``get_explainer(name, classifier, **kwargs).attribute(x, target=None) -> (B, H, W)``:
+``get_explainer(name, classifier, **kwargs).attribute(inputs, target=None) -> (B, H, W)``:
 
 | name | method | where |
 |---|---|---|
@@ -11,6 +11,10 @@
 | attention-rollout | attention rollout (ViTs) | here |
 | aha | a trained AHA (``aha=...``, ``refine_steps=T``) | attr_engine.aha |
 | pullback-soft, pullback-ascent | Soft Pullback (SfP), Pullback Ascent (PA) | attr_engine.pullback |
+| deeplift, guided-grad-cam | DeepLift (Shrikumar et al. 2017); Guided Grad-CAM on the last CNN stage | Captum |
+| captum:<ClassName> | any ``captum.attr`` class, Captum's option names (:class:`CaptumMethod`) | Captum |
+
+Every method takes Captum's call shape, ``attribute(inputs, target=None, baselines=None, **options)``.
 
 Adapters turn any explainer into a Quantus ``explain_func`` (:func:`quantus_explain_func`) or a Captum-style
 attribution object (:class:`CaptumAdapter`).
@@ -27,6 +31,7 @@ from torch import nn
 from attr_engine.baselines.adapters import CaptumAdapter, quantus_explain_func
 from attr_engine.baselines.base import Explainer, FunctionExplainer, resolve_targets
 from attr_engine.baselines.cam import GradCAM, is_vit
+from attr_engine.baselines.captum_any import CaptumMethod, captum_class
 from attr_engine.baselines.gradients import (
     Gradient,
     GradientXInput,
@@ -44,6 +49,7 @@ __all__ = [
     "AHAExplainer",
     "AttentionRollout",
     "CaptumAdapter",
+    "CaptumMethod",
     "Explainer",
     "ExplainerSpec",
     "FunctionExplainer",
@@ -55,6 +61,7 @@ __all__ = [
     "PullbackExplainer",
     "Saliency",
     "SmoothGrad",
+    "captum_class",
     "get_explainer",
     "is_vit",
     "list_explainers",
@@ -124,6 +131,8 @@ def get_explainer(name: str, classifier: nn.Module, **kwargs: Any) -> Explainer:
         ValueError: an unknown name (listing the known ones), a method that does not apply to this model, or bad
             constructor arguments (e.g. ``"aha"`` without ``aha=``).
     """
+    if isinstance(name, str) and name.strip().lower().startswith("captum:"):
+        return CaptumMethod(classifier, name.strip()[len("captum:") :], **kwargs)
     key = _canonical(name)
     spec = _REGISTRY.get(key)
     if spec is None:
@@ -159,4 +168,15 @@ register_explainer(
     "pullback-ascent",
     lambda classifier, **kw: PullbackExplainer(classifier, method="ascent", **kw),
     description="Pullback Ascent (PA)",
+)
+register_explainer(
+    "deeplift",
+    lambda classifier, **kw: CaptumMethod(classifier, "DeepLift", **kw),
+    description="DeepLift (Captum), channel sum",
+)
+register_explainer(
+    "guided-grad-cam",
+    lambda classifier, **kw: CaptumMethod(classifier, "GuidedGradCam", display_reduce="abs", **kw),
+    description="Guided Grad-CAM (Captum) on the last CNN stage, mean |value| over channels",
+    applies=lambda model: bool(getattr(model, "feature_info", None)) and not is_vit(model),
 )

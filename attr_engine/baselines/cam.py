@@ -18,7 +18,7 @@ from torch import nn
 
 from attr_engine.baselines.base import Explainer, import_captum
 
-__all__ = ["GradCAM", "is_vit"]
+__all__ = ["GradCAM", "find_layer", "is_vit", "layer_name"]
 
 
 def is_vit(model: nn.Module) -> bool:
@@ -28,6 +28,27 @@ def is_vit(model: nn.Module) -> bool:
         and hasattr(model, "patch_embed")
         and hasattr(model, "num_prefix_tokens")
     )
+
+
+def find_layer(classifier: nn.Module, name: str) -> nn.Module:
+    """The module called ``name`` in the classifier's model (``"layer4"``, ``"blocks.1"``), else in the classifier."""
+    model = getattr(classifier, "model", classifier)
+    for root in (model, classifier):
+        try:
+            return root.get_submodule(name)
+        except AttributeError:
+            continue
+    raise ValueError(f"{type(model).__name__} has no layer named {name!r}")
+
+
+def layer_name(classifier: nn.Module, layer: nn.Module) -> str:
+    """The name of ``layer`` inside the classifier's model (or the classifier), as :func:`find_layer` reads it."""
+    model = getattr(classifier, "model", classifier)
+    for root in (model, classifier):
+        for name, module in root.named_modules():
+            if module is layer:
+                return name
+    raise ValueError(f"layer {type(layer).__name__} is not a module of the explained classifier")
 
 
 def token_grid(model: nn.Module, height: int, width: int) -> tuple[int, int]:
@@ -64,12 +85,20 @@ class GradCAM(Explainer):
 
     name = "grad-cam"
 
-    def __init__(self, classifier: nn.Module, *, layer: nn.Module | None = None) -> None:
+    def __init__(self, classifier: nn.Module, *, layer: nn.Module | str | None = None) -> None:
         super().__init__(classifier)
         model = getattr(classifier, "model", classifier)
+        if isinstance(layer, str):
+            layer = find_layer(classifier, layer)
         self.tokens = is_vit(model) and (layer is None or layer is model.blocks[-1])
         self.layer = layer if layer is not None else (model.blocks[-1] if self.tokens else _last_cnn_stage(model))
+        self._layer_name = layer_name(classifier, self.layer)
         self._model = model
+
+    def _bind(self) -> None:
+        # The same layer, by name, in the new classifier (e.g. Quantus' copy with randomised weights).
+        self._model = getattr(self.classifier, "model", self.classifier)
+        self.layer = find_layer(self.classifier, self._layer_name)
 
     def _attribute(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.tokens:

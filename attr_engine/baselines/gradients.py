@@ -18,6 +18,8 @@ Gradients are taken of the target *logit* (Captum's convention).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -33,87 +35,105 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
     return x.detach().requires_grad_(True)
 
 
-def _reference(kind: str | float, x: torch.Tensor, classifier: nn.Module) -> torch.Tensor | float:
-    """A baseline image for IG / occlusion: 'black' (0), 'mean' (the classifier's mean colour) or a number."""
-    if isinstance(kind, int | float) and not isinstance(kind, bool):
-        return float(kind)
-    if kind == "black":
-        return 0.0
-    if kind == "mean":
-        mean = getattr(classifier, "norm_mean", None)
-        if mean is None:
-            raise ValueError("baseline 'mean' needs a Classifier (it reads the normalisation mean)")
-        return mean.to(x.dtype).reshape(1, 3, 1, 1).expand(1, 3, *x.shape[2:]).contiguous()
-    raise ValueError(f"baseline must be 'black', 'mean' or a number, got {kind!r}")
+def _check_int_option(options: dict[str, Any], key: str, low: int, *, optional: bool = False) -> None:
+    if optional and options[key] is None:
+        return
+    options[key] = check_int_at_least(options[key], key, low)
 
 
 class Gradient(Explainer):
-    """Signed input gradient of the target logit, channel mean."""
+    """Signed input gradient of the target logit (Captum ``Saliency(abs=False)``); displayed as the channel mean."""
 
     name = "gradient"
+    per_channel = True
+    display_reduce = "mean"
+
+    def __init__(self, classifier: nn.Module, **options: Any) -> None:
+        super().__init__(classifier, **options)
 
     def _attribute(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        grad = import_captum().Saliency(self.classifier).attribute(_leaf(x), target=target, abs=False)
-        return grad.mean(dim=1)
+        return import_captum().Saliency(self.classifier).attribute(_leaf(x), target=target, abs=False)
 
 
 class Saliency(Explainer):
-    """Vanilla saliency (Simonyan et al. 2014): max over channels of the absolute input gradient."""
+    """Vanilla saliency (Simonyan et al. 2014): Captum ``Saliency``, displayed as the max over channels.
+
+    Options: ``abs`` (Captum's; default True: absolute gradients).
+    """
 
     name = "saliency"
+    per_channel = True
+    display_reduce = "max"
+    options: ClassVar[dict[str, Any]] = {"abs": True}
 
-    def _attribute(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return import_captum().Saliency(self.classifier).attribute(_leaf(x), target=target, abs=True).amax(dim=1)
+    def __init__(self, classifier: nn.Module, **options: Any) -> None:
+        super().__init__(classifier, **options)
+
+    def _attribute(self, x: torch.Tensor, target: torch.Tensor, *, abs: bool) -> torch.Tensor:
+        return import_captum().Saliency(self.classifier).attribute(_leaf(x), target=target, abs=bool(abs))
 
 
 class GradientXInput(Explainer):
-    """Gradient x input (Shrikumar et al. 2016), summed over channels."""
+    """Gradient x input (Shrikumar et al. 2016), Captum ``InputXGradient``, summed over channels."""
 
     name = "gradient-x-input"
+    per_channel = True
+    display_reduce = "sum"
+
+    def __init__(self, classifier: nn.Module, **options: Any) -> None:
+        super().__init__(classifier, **options)
 
     def _attribute(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return import_captum().InputXGradient(self.classifier).attribute(_leaf(x), target=target).sum(dim=1)
+        return import_captum().InputXGradient(self.classifier).attribute(_leaf(x), target=target)
 
 
 class IntegratedGradients(Explainer):
-    """Integrated Gradients (Sundararajan et al. 2017), summed over channels.
+    """Integrated Gradients (Sundararajan et al. 2017), Captum ``IntegratedGradients``, summed over channels.
 
-    Args:
-        classifier: the explained classifier.
-        n_steps: points of the Gauss-Legendre path integral.
-        baseline: ``"black"`` (the paper's), ``"mean"`` (the classifier's mean colour) or a number.
-        internal_batch_size: path points per classifier call (bounds memory); None evaluates all at once.
+    Options (Captum's names): ``n_steps`` (path points, default 32), ``method`` (``"gausslegendre"``),
+    ``internal_batch_size`` (path points per classifier call; None evaluates all at once), and per call
+    ``baselines`` (default ``"black"``, the paper's) and ``return_convergence_delta``. ``baseline=`` at
+    construction is the older spelling of ``baselines=``.
     """
 
     name = "integrated-gradients"
+    per_channel = True
+    display_reduce = "sum"
+    options: ClassVar[dict[str, Any]] = {"n_steps": 32, "method": "gausslegendre", "internal_batch_size": 256}
+    takes_baselines = True
+    default_baselines = "black"
+    has_convergence_delta = True
 
-    def __init__(
+    def __init__(self, classifier: nn.Module, *, baselines: Any = None, baseline: Any = None, **options: Any) -> None:
+        super().__init__(classifier, baselines=baselines if baselines is not None else baseline, **options)
+
+    def _check_options(self, options: dict[str, Any]) -> None:
+        _check_int_option(options, "n_steps", 1)
+        _check_int_option(options, "internal_batch_size", 1, optional=True)
+
+    def _attribute(
         self,
-        classifier: nn.Module,
+        x: torch.Tensor,
+        target: torch.Tensor,
         *,
-        n_steps: int = 32,
-        baseline: str | float = "black",
-        internal_batch_size: int | None = 256,
-    ) -> None:
-        super().__init__(classifier)
-        self.n_steps = check_int_at_least(n_steps, "n_steps", 1)
-        self.baseline = baseline
-        if internal_batch_size is not None:
-            check_int_at_least(internal_batch_size, "internal_batch_size", 1)
-        self.internal_batch_size = internal_batch_size
-        _reference(baseline, torch.zeros(1, 3, 1, 1), classifier)  # fail at construction on a bad baseline
-
-    def _attribute(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        baselines: torch.Tensor | float,
+        n_steps: int,
+        method: str,
+        internal_batch_size: int | None,
+        return_convergence_delta: bool = False,
+    ) -> Any:
         ig = import_captum().IntegratedGradients(self.classifier)
-        chunk = None if self.internal_batch_size is None else max(self.internal_batch_size, x.shape[0])
-        attr = ig.attribute(
+        # Captum splits n_steps * B path points into chunks; a chunk below B would split one image's path points.
+        chunk = None if internal_batch_size is None else max(internal_batch_size, x.shape[0])
+        return ig.attribute(
             _leaf(x),
-            baselines=_reference(self.baseline, x, self.classifier),
+            baselines=baselines,
             target=target,
-            n_steps=self.n_steps,
+            n_steps=n_steps,
+            method=method,
             internal_batch_size=chunk,
+            return_convergence_delta=return_convergence_delta,
         )
-        return attr.sum(dim=1)
 
 
 def image_seeds(x: torch.Tensor, seed: int) -> list[int]:
@@ -134,112 +154,144 @@ def image_seeds(x: torch.Tensor, seed: int) -> list[int]:
 class SmoothGrad(Explainer):
     """SmoothGrad (Smilkov et al. 2017): mean absolute gradient under Gaussian input noise, max over channels.
 
-    ``map = max_c mean_s |d logit_t / dx (x + noise_s)|`` with ``noise_s ~ N(0, noise_std^2)``, as Captum's
-    ``NoiseTunnel(Saliency(abs=True))`` computes it. Each image's noise comes from its own generator, seeded from
-    ``seed`` and the image's content (:func:`image_seeds`), so an image gets the same map whatever batch it is in,
-    wherever it sits there, and in a resumed run; the global RNG is never touched.
+    ``map = max_c mean_s |d logit_t / dx (x + noise_s)|`` with ``noise_s ~ N(0, stdevs^2)``, as Captum's
+    ``NoiseTunnel(Saliency(abs=True)).attribute(nt_type="smoothgrad")`` computes it. Each image's noise comes from
+    its own generator, seeded from ``seed`` and the image's content (:func:`image_seeds`), so an image gets the same
+    map whatever batch it is in, wherever it sits there, and in a resumed run; the global RNG is never touched.
 
-    Args:
-        classifier: the explained classifier.
-        n_samples: noisy copies per image.
-        noise_std: noise standard deviation in [0, 1] pixel units (0.15 = 15 % of the range, the paper's advice).
-        batch_size: noisy copies of each image per classifier call.
-        seed: the run seed the per-image noise is derived from.
+    Options (Captum's ``NoiseTunnel`` names; the older ``n_samples`` / ``noise_std`` / ``batch_size`` still work):
+        nt_samples: noisy copies per image (16).
+        stdevs: noise standard deviation in [0, 1] pixel units (0.15 = 15 % of the range, the paper's advice).
+        nt_samples_batch_size: noisy copies of each image per classifier call (16).
+        seed: the run seed the per-image noise is derived from (0).
     """
 
     name = "smoothgrad"
+    per_channel = True
+    display_reduce = "max"
+    options: ClassVar[dict[str, Any]] = {"nt_samples": 16, "stdevs": 0.15, "nt_samples_batch_size": 16, "seed": 0}
+    option_aliases: ClassVar[dict[str, str]] = {
+        "n_samples": "nt_samples",
+        "noise_std": "stdevs",
+        "batch_size": "nt_samples_batch_size",
+    }
 
-    def __init__(
-        self,
-        classifier: nn.Module,
-        *,
-        n_samples: int = 16,
-        noise_std: float = 0.15,
-        batch_size: int = 16,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(classifier)
-        self.n_samples = check_int_at_least(n_samples, "n_samples", 1)
-        self.noise_std = check_positive(noise_std, "noise_std")
-        self.batch_size = check_int_at_least(batch_size, "batch_size", 1)
+    def __init__(self, classifier: nn.Module, **options: Any) -> None:
+        super().__init__(classifier, **options)
+
+    def _check_options(self, options: dict[str, Any]) -> None:
+        _check_int_option(options, "nt_samples", 1)
+        _check_int_option(options, "nt_samples_batch_size", 1)
+        options["stdevs"] = check_positive(options["stdevs"], "stdevs")
+        seed = options["seed"]
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
-        self.seed = seed
 
-    def _attribute(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    @property
+    def n_samples(self) -> int:
+        return self.defaults["nt_samples"]
+
+    @property
+    def noise_std(self) -> float:
+        return self.defaults["stdevs"]
+
+    def _attribute(
+        self,
+        x: torch.Tensor,
+        target: torch.Tensor,
+        *,
+        nt_samples: int,
+        stdevs: float,
+        nt_samples_batch_size: int,
+        seed: int,
+    ) -> torch.Tensor:
         # (B, S, C, H, W) noise, one generator per image, drawn in full before any chunking so the chunk size
-        # (batch_size) cannot change which noise an image gets either.
+        # cannot change which noise an image gets either.
         noise = torch.stack(
             [
                 torch.randn(
-                    (self.n_samples, *x.shape[1:]),
+                    (nt_samples, *x.shape[1:]),
                     generator=torch.Generator(device=x.device).manual_seed(s),
                     device=x.device,
                     dtype=x.dtype,
                 )
-                for s in image_seeds(x, self.seed)
+                for s in image_seeds(x, seed)
             ]
-        ).mul_(self.noise_std)
+        ).mul_(stdevs)
         total = torch.zeros_like(x)
-        for lo in range(0, self.n_samples, self.batch_size):
-            chunk = noise[:, lo : lo + self.batch_size]
+        for lo in range(0, nt_samples, nt_samples_batch_size):
+            chunk = noise[:, lo : lo + nt_samples_batch_size]
             k = chunk.shape[1]
             noisy = (x.detach()[:, None] + chunk).flatten(0, 1).requires_grad_(True)
             logits = self.classifier(noisy)
             picked = logits.gather(1, target.repeat_interleave(k)[:, None]).sum()
             (grad,) = torch.autograd.grad(picked, noisy)
             total += grad.abs().view(x.shape[0], k, *x.shape[1:]).sum(dim=1)
-        return (total / self.n_samples).amax(dim=1)
+        return total / nt_samples
 
 
 class Occlusion(Explainer):
-    """Occlusion (Zeiler & Fergus 2014): drop in the target logit when a window is replaced by a baseline.
+    """Occlusion (Zeiler & Fergus 2014), Captum ``Occlusion``: drop in the target logit when a window is replaced
+    by a baseline; the window spans all channels, so the channel mean is the per-pixel value.
 
-    Args:
-        classifier: the explained classifier.
-        window: square window side in pixels; None takes ``max(2, H // 8)``.
-        stride: window step; None takes half the window.
-        baseline: ``"mean"`` (the classifier's mean colour, default), ``"black"`` or a number.
+    Options (Captum's names; ``window`` / ``stride`` are the older square spellings):
+        sliding_window_shapes: (3, h, w) or a side; None takes ``max(2, H // 8)``.
+        strides: (3, h, w) or a step; None takes half the window.
         perturbations_per_eval: occluded copies of the batch per classifier call; None takes ``max(1, 256 // B)``.
+        baselines (per call): default ``"mean"`` (the classifier's mean colour).
     """
 
     name = "occlusion"
     needs_grad = False
+    per_channel = True
+    display_reduce = "mean"
+    options: ClassVar[dict[str, Any]] = {"sliding_window_shapes": None, "strides": None, "perturbations_per_eval": None}
+    option_aliases: ClassVar[dict[str, str]] = {"window": "sliding_window_shapes", "stride": "strides"}
+    takes_baselines = True
+    default_baselines = "mean"
 
-    def __init__(
+    def __init__(self, classifier: nn.Module, *, baselines: Any = None, baseline: Any = None, **options: Any) -> None:
+        super().__init__(classifier, baselines=baselines if baselines is not None else baseline, **options)
+
+    def _check_options(self, options: dict[str, Any]) -> None:
+        for key in ("sliding_window_shapes", "strides"):
+            value = options[key]
+            if value is None:
+                continue
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                options[key] = (3, check_int_at_least(value, key, 1), int(value))
+            elif isinstance(value, Sequence) and not isinstance(value, str) and len(value) in (2, 3):
+                sides = tuple(check_int_at_least(v, key, 1) for v in value)
+                options[key] = sides if len(sides) == 3 else (3, *sides)
+            else:
+                raise ValueError(f"{key} must be a side, (h, w) or (3, h, w), got {value!r}")
+        _check_int_option(options, "perturbations_per_eval", 1, optional=True)
+
+    def _attribute(
         self,
-        classifier: nn.Module,
+        x: torch.Tensor,
+        target: torch.Tensor,
         *,
-        window: int | None = None,
-        stride: int | None = None,
-        baseline: str | float = "mean",
-        perturbations_per_eval: int | None = None,
-    ) -> None:
-        super().__init__(classifier)
-        self.window = None if window is None else check_int_at_least(window, "window", 1)
-        self.stride = None if stride is None else check_int_at_least(stride, "stride", 1)
-        self.baseline = baseline
-        if perturbations_per_eval is not None:
-            check_int_at_least(perturbations_per_eval, "perturbations_per_eval", 1)
-        self.perturbations_per_eval = perturbations_per_eval
-        _reference(baseline, torch.zeros(1, 3, 1, 1), classifier)
-
-    def _attribute(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        window = self.window or max(2, x.shape[-2] // 8)
-        if window > min(x.shape[-2:]):
-            raise ValueError(f"occlusion window {window} is larger than the image {tuple(x.shape[-2:])}")
-        stride = self.stride or max(1, window // 2)
+        baselines: torch.Tensor | float,
+        sliding_window_shapes: tuple[int, int, int] | None,
+        strides: tuple[int, int, int] | None,
+        perturbations_per_eval: int | None,
+    ) -> torch.Tensor:
+        side = max(2, x.shape[-2] // 8)
+        window = sliding_window_shapes or (3, side, side)
+        if window[1] > x.shape[-2] or window[2] > x.shape[-1]:
+            raise ValueError(f"occlusion window {window[1:]} is larger than the image {tuple(x.shape[-2:])}")
+        stride = strides or (3, max(1, window[1] // 2), max(1, window[2] // 2))
         with torch.no_grad():
-            attr = (
+            return (
                 import_captum()
                 .Occlusion(self.classifier)
                 .attribute(
                     x,
-                    sliding_window_shapes=(3, window, window),
-                    strides=(3, stride, stride),
-                    baselines=_reference(self.baseline, x, self.classifier),
+                    sliding_window_shapes=window,
+                    strides=stride,
+                    baselines=baselines,
                     target=target,
-                    perturbations_per_eval=self.perturbations_per_eval or max(1, 256 // x.shape[0]),
+                    perturbations_per_eval=perturbations_per_eval or max(1, 256 // x.shape[0]),
                 )
             )
-        return attr.mean(dim=1)

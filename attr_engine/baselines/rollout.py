@@ -48,6 +48,10 @@ class AttentionRollout(Explainer):
         self._model = model
         self._attns = attns
 
+    def _bind(self) -> None:
+        self._model = getattr(self.classifier, "model", self.classifier)
+        self._attns = [block.attn for block in self._model.blocks]
+
     def _attribute(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         weights: list[torch.Tensor] = []
         handles, fused = [], []
