@@ -178,12 +178,18 @@ class SemanticPullback:
                     attribution = self._ascent(x0, target_idx, steps, alpha)
         return _reduce_channels(attribution, reduce).to(x.dtype)
 
-    def _soft_pullback(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Gradient of the target logits at ``x`` under the (already open) soft adjoint: ``(B, C, H, W)``."""
+    def _soft_pullback(self, x: torch.Tensor, target: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+        """Gradient of the target logits at ``x`` under the (already open) soft adjoint: ``(B, C, H, W)``.
+
+        ``check`` validates the target range against the logits, which reads the target (a host-device
+        synchronisation on a GPU): the ascent checks at its first step only, and its later steps also skip the
+        classifier's input check (their images are the validated ones plus finite steps).
+        """
         x = x.detach().requires_grad_(True)
-        logits = self.classifier(x)
+        trusted = getattr(self.classifier, "forward_trusted", None)
+        logits = self.classifier(x) if check or trusted is None else trusted(x)
         num_classes = logits.shape[-1]
-        if int(target.min()) < 0 or int(target.max()) >= num_classes:
+        if check and (int(target.min()) < 0 or int(target.max()) >= num_classes):
             raise ValueError(f"target classes must lie in [0, {num_classes}), got {target.tolist()}")
         # Samples are independent (eval mode), so the gradient of the sum is the per-sample gradient.
         selected = logits.gather(1, target.view(-1, 1)).sum()
@@ -192,8 +198,8 @@ class SemanticPullback:
 
     def _ascent(self, x0: torch.Tensor, target: torch.Tensor, steps: int, alpha: float) -> torch.Tensor:
         xt = x0
-        for _ in range(steps):
-            v = self._soft_pullback(xt, target)
+        for step in range(steps):
+            v = self._soft_pullback(xt, target, check=step == 0)
             norm = v.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
             # A zero pullback (a dead network) takes a zero step instead of dividing by zero.
             xt = xt + alpha * v / norm.clamp_min(torch.finfo(v.dtype).tiny)
