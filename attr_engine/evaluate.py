@@ -18,6 +18,15 @@ Metrics (name: direction, what is computed with which settings):
 | pointing_game, energy_pointing_game | higher | need object masks |
 
 Infidelity patches of H/4 and H/2 are the SP paper's 56 and 112 px at 224 px; both infidelities compare logits.
+
+Each method is scored the way its authors score it: pixel-ranking metrics (deletion, insertion, pos, neg, pointing
+games) use the map its ``ranking_reduce`` declares (the Semantic Pullback: mean |value| over channels, see
+:data:`~attr_engine.baselines.ours.PULLBACK_RANKING_SOURCE`; every other method: its own map), and the infidelities
+use the signed per-channel attribution of methods that declare ``infidelity_per_channel`` (gradient, gradient x
+input, Integrated Gradients, the pullbacks, DeepLift, ``captum:...``), broadcasting the map otherwise. The
+``ranked by`` column says which map was ranked. Methods with ``extra_rankings`` (the pullbacks: ``"input"``, i.e.
+``sum_c pullback_c (x_c - mean colour_c)``, and the signed channel mean) get extra rows with the deletion /
+insertion of those maps.
 Every random metric draws from a generator seeded with ``seed`` for each method, so all methods see the same noise.
 Metric settings can be overridden per metric: ``metrics={"infidelity": {"n_samples": 10}, "deletion": {}}``.
 """
@@ -33,6 +42,7 @@ from typing import Any
 import torch
 
 from attr_engine.baselines import Explainer, FunctionExplainer, get_explainer
+from attr_engine.baselines.base import reduce_channels, resolve_baselines
 from attr_engine.classifier import Classifier
 from attr_engine.metrics import (
     deletion_insertion,
@@ -59,6 +69,7 @@ class _Context:
     explainer: Explainer
     seed: int
     batch_size: int
+    channel_maps: torch.Tensor | None = None
     cache: dict[str, Any] = field(default_factory=dict)
 
     def generator(self) -> torch.Generator:
@@ -92,7 +103,9 @@ def _pos_neg(ctx: _Context, key: str, **kwargs: Any) -> torch.Tensor:
 def _infidelity(ctx: _Context, **kwargs: Any) -> torch.Tensor:
     side = min(ctx.x.shape[-2:])
     kwargs.setdefault("patch_sizes", (max(1, side // 4), max(1, side // 2)))
-    return infidelity(ctx.classifier, ctx.x, ctx.maps, ctx.target, generator=ctx.generator(), **kwargs)
+    # The signed per-channel attribution where the method declares one (as the SP paper scores its pullbacks).
+    maps = ctx.channel_maps if ctx.channel_maps is not None else ctx.maps
+    return infidelity(ctx.classifier, ctx.x, maps, ctx.target, generator=ctx.generator(), **kwargs)
 
 
 def _max_sensitivity(ctx: _Context, **kwargs: Any) -> torch.Tensor:
@@ -142,6 +155,18 @@ DEFAULT_METRICS: tuple[str, ...] = (
     "pointing_game",
 )
 TIME_COLUMN = "ms/image"
+RANKED_BY_COLUMN = "ranked by"
+# Metrics whose score depends only on the order of the pixels under the map (they use the ranking map).
+RANKING_METRICS = frozenset({"deletion", "insertion", "pos", "neg", "pointing_game", "energy_pointing_game"})
+_RANKING_NAMES = {
+    None: "map",
+    "mean": "signed mean",
+    "sum": "signed sum",
+    "max": "max",
+    "abs": "mean |.|",
+    "abs-sum": "sum |.|",
+    "input": "x·(x−r)",
+}
 
 
 @dataclass
@@ -157,6 +182,7 @@ class Leaderboard:
             when deletion or insertion was computed.
         images: (k, 3, H, W) the first images (CPU), and ``maps``: per method their (k, H, W) maps, for figures.
         title: a caption for reports.
+        notes: lines under the table saying how each method was scored (reductions and their sources).
     """
 
     rows: list[dict[str, float | str]]
@@ -167,17 +193,18 @@ class Leaderboard:
     images: torch.Tensor | None = None
     maps: dict[str, torch.Tensor] = field(default_factory=dict)
     title: str = ""
+    notes: list[str] = field(default_factory=list)
 
     @property
     def columns(self) -> list[str]:
-        """Table columns: method, metrics, time."""
-        return ["method", *self.metrics, TIME_COLUMN]
+        """Table columns: method, the map pixel-ranking metrics ranked, metrics, time."""
+        return ["method", RANKED_BY_COLUMN, *self.metrics, TIME_COLUMN]
 
     def column(self, metric: str) -> dict[str, float]:
-        """``{method: mean score}`` for one column."""
-        if metric not in self.columns[1:]:
-            raise ValueError(f"unknown column {metric!r}; columns: {', '.join(self.columns[1:])}")
-        return {str(r["method"]): float(r[metric]) for r in self.rows}
+        """``{method: mean score}`` for one column (rows without it - the extra ranking rows - left out)."""
+        if metric not in self.columns[2:]:
+            raise ValueError(f"unknown column {metric!r}; columns: {', '.join(self.columns[2:])}")
+        return {str(r["method"]): float(r[metric]) for r in self.rows if metric in r}
 
     def best(self, metric: str) -> str:
         """The method with the best mean score on ``metric`` (NaNs never win)."""
@@ -191,7 +218,8 @@ class Leaderboard:
         """A Markdown table, the best value of each column in bold, directions in the header."""
         from attr_engine.report import markdown_table
 
-        return markdown_table(self.rows, self.columns, directions=self.directions, digits=digits, title=self.title)
+        table = markdown_table(self.rows, self.columns, directions=self.directions, digits=digits, title=self.title)
+        return table + "".join(f"\n{note}\n" for note in self.notes)
 
     def to_csv(self, path: str | Path) -> Path:
         """Write the rows as CSV (one line per method); returns the path."""
@@ -263,22 +291,30 @@ def _resolve_metrics(metrics: Sequence[str] | Mapping[str, Mapping[str, Any]]) -
 
 def _timed_maps(
     explainer: Explainer, x: torch.Tensor, target: torch.Tensor, batch_size: int
-) -> tuple[torch.Tensor, float]:
-    """Maps for all images in batches, and the wall time per image in milliseconds (device work included).
+) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """Maps (N, H, W) for all images in batches, the per-channel attributions (N, C, H, W) of per-channel methods
+    (else None), and the wall time per image in milliseconds (device work included; the display reduction too).
 
     One untimed call on one image first, so lazy imports, kernel selection and caches are not billed to a method.
     """
-    maps, seconds = [], 0.0
+    maps, channels, seconds = [], [], 0.0
+    per_channel = explainer.per_channel and explainer.display_reduce not in (None, "input")
     sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
     explainer.attribute(x[:1], target[:1])
     for lo in range(0, len(x), batch_size):
         sync()
         start = time.perf_counter()
-        out = explainer.attribute(x[lo : lo + batch_size], target[lo : lo + batch_size])
+        chunk = x[lo : lo + batch_size]
+        if per_channel:
+            full = explainer.attribute(chunk, target[lo : lo + batch_size], reduce=None)
+            out = reduce_channels(full, explainer.display_reduce)
+            channels.append(full)
+        else:
+            out = explainer.attribute(chunk, target[lo : lo + batch_size])
         sync()
         seconds += time.perf_counter() - start
         maps.append(out)
-    return torch.cat(maps), 1e3 * seconds / len(x)
+    return torch.cat(maps), torch.cat(channels) if channels else None, 1e3 * seconds / len(x)
 
 
 def evaluate(
@@ -344,12 +380,19 @@ def evaluate(
     board.images = x[:keep].cpu()
     for label, explainer in explainers.items():
         start = time.perf_counter()
-        maps, ms = _timed_maps(explainer, x, targets, batch_size)
-        ctx = _Context(classifier, x, targets, maps, masks, explainer, seed, batch_size)
-        row: dict[str, float | str] = {"method": label}
+        maps, channels, ms = _timed_maps(explainer, x, targets, batch_size)
+        ranking, ranked_by = maps, None
+        if channels is not None and explainer.ranking_reduce is not None:
+            ranking, ranked_by = reduce_channels(channels, explainer.ranking_reduce), explainer.ranking_reduce
+        per_channel = channels if getattr(explainer, "infidelity_per_channel", False) else None
+        ctx = _Context(classifier, x, targets, maps, masks, explainer, seed, batch_size, channel_maps=per_channel)
+        ranked = _Context(classifier, x, targets, ranking, masks, explainer, seed, batch_size, cache=ctx.cache)
+        row: dict[str, float | str] = {"method": label, RANKED_BY_COLUMN: _RANKING_NAMES.get(ranked_by, ranked_by)}
         board.scores[label] = {}
+        ctx.cache.clear()
         for name, kwargs in settings.items():
-            per_image = METRICS[name].compute(ctx, **kwargs).detach().float().cpu()
+            use = ranked if name in RANKING_METRICS else ctx
+            per_image = METRICS[name].compute(use, **kwargs).detach().float().cpu()
             board.scores[label][name] = per_image
             finite = per_image[torch.isfinite(per_image)]
             row[name] = float(finite.mean()) if len(finite) else float("nan")
@@ -364,6 +407,25 @@ def evaluate(
             }
         board.maps[label] = maps[:keep].cpu()
         if log is not None:
-            scores = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k != "method")
+            scores = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float))
             log(f"{label}: {scores} ({time.perf_counter() - start:.1f} s)")
+        if ranked_by is not None:
+            board.notes.append(
+                f"{label}: pixel-ranking metrics rank {_RANKING_NAMES.get(ranked_by, ranked_by)} over channels "
+                f"({explainer.ranking_source or 'declared by the method'})."
+            )
+        if per_channel is not None and any(m.startswith("infidelity") for m in settings):
+            board.notes.append(f"{label}: infidelity scores the signed per-channel attribution.")
+        # Other readings of the same attribution, for deletion / insertion only (no time: the maps are reused).
+        extra = [m for m in ("deletion", "insertion") if m in settings]
+        for reduction in getattr(explainer, "extra_rankings", ()) if channels is not None and extra else ():
+            reference = resolve_baselines("mean", x, classifier) if reduction == "input" else None
+            alt = reduce_channels(channels, reduction, x, reference)
+            alt_ctx = _Context(classifier, x, targets, alt, masks, explainer, seed, batch_size)
+            name = _RANKING_NAMES.get(reduction, reduction)
+            alt_row: dict[str, float | str] = {"method": f"{label} [{name}]", RANKED_BY_COLUMN: name}
+            for metric in extra:
+                per_image = METRICS[metric].compute(alt_ctx, **settings[metric]).detach().float().cpu()
+                alt_row[metric] = float(per_image[torch.isfinite(per_image)].mean())
+            rows.append(alt_row)
     return board

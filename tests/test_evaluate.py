@@ -45,13 +45,15 @@ def test_leaderboard_rows_equal_the_metrics_called_directly(setting) -> None:
     explainer = Gradient(clf)
     maps = explainer.attribute(x, y)
     row = board.rows[0]
-    assert row["method"] == "grad" and board.columns == ["method", *METRICS, "ms/image"]
+    assert row["method"] == "grad" and board.columns == ["method", "ranked by", *METRICS, "ms/image"]
+    assert row["ranked by"] == "map"
     di = deletion_insertion(clf, x, maps, y, protocol="aha")
     assert row["deletion"] == pytest.approx(di.deletion.mean().item(), rel=1e-5)
     assert row["insertion"] == pytest.approx(di.insertion.mean().item(), rel=1e-5)
     gen = torch.Generator().manual_seed(0)  # evaluate() seeds every random metric with seed=0
+    per_channel = explainer.attribute(x, y, reduce=None)  # infidelity scores the gradient's signed channels
     expected = infidelity(
-        clf, x, maps, y, patch_sizes=(8, 16), baseline="uniform", n_samples=2, scaling="optimal", generator=gen
+        clf, x, per_channel, y, patch_sizes=(8, 16), baseline="uniform", n_samples=2, scaling="optimal", generator=gen
     )
     assert row["infidelity"] == pytest.approx(expected.mean().item(), rel=1e-5)
     gen = torch.Generator().manual_seed(0)
@@ -73,7 +75,7 @@ def test_best_markdown_and_csv(setting, tmp_path) -> None:
     ins = board.column("insertion")
     assert board.best("insertion") == max(ins, key=ins.get)
     text = board.to_markdown()
-    assert "| method | deletion ↓ | insertion ↑ |" in text and text.count("**") >= 2
+    assert "| method | ranked by | deletion ↓ | insertion ↑ |" in text and text.count("**") >= 2
     path = board.to_csv(tmp_path / "board.csv")
     with path.open() as f:
         rows = list(csv.DictReader(f))
@@ -110,3 +112,36 @@ def test_evaluate_checks_its_arguments() -> None:
         evaluate(clf, [Gradient(tiny_resnet(num_classes=6))], (x,), ["deletion"])
     with pytest.raises(ValueError, match="labels"):
         evaluate(clf, ["gradient"], (x,), ["deletion"], target="label")
+
+
+def test_each_method_is_scored_with_its_declared_reductions() -> None:
+    """The pullback ranks pixels by mean |value| (its official evaluation), scores infidelity on its signed
+    channels, and reports the deletion / insertion of x·(x−r) and of the signed mean beside it."""
+    from attr_engine.baselines import get_explainer
+    from attr_engine.baselines.base import reduce_channels, resolve_baselines
+
+    clf = tiny_resnet(num_classes=6)
+    x, _, _ = ShapesDataset(3, img_size=32, seed=4).tensors()
+    metrics = {"deletion": {}, "insertion": {}, "infidelity": {"n_samples": 1}}
+    board = evaluate(clf, {"SfP": "pullback-soft"}, (x,), metrics, batch_size=3)
+    with torch.no_grad():
+        y = clf(x).argmax(1)
+    full = get_explainer("pullback-soft", clf).attribute(x, y, reduce=None)
+    rows = {r["method"]: r for r in board.rows}
+    assert list(rows) == ["SfP", "SfP [x·(x−r)]", "SfP [signed mean]"]
+    assert rows["SfP"]["ranked by"] == "mean |.|"
+    di = deletion_insertion(clf, x, full.abs().mean(1), y, protocol="aha")
+    assert rows["SfP"]["deletion"] == pytest.approx(di.deletion.mean().item(), rel=1e-5)
+    gen = torch.Generator().manual_seed(0)
+    expected = infidelity(
+        clf, x, full, y, patch_sizes=(8, 16), baseline="uniform", n_samples=1, scaling="optimal", generator=gen
+    )
+    assert rows["SfP"]["infidelity"] == pytest.approx(expected.mean().item(), rel=1e-5)
+    towards = reduce_channels(full, "input", x, resolve_baselines("mean", x, clf))
+    di = deletion_insertion(clf, x, towards, y, protocol="aha")
+    assert rows["SfP [x·(x−r)]"]["insertion"] == pytest.approx(di.insertion.mean().item(), rel=1e-5)
+    di = deletion_insertion(clf, x, full.mean(1), y, protocol="aha")
+    assert rows["SfP [signed mean]"]["deletion"] == pytest.approx(di.deletion.mean().item(), rel=1e-5)
+    assert "infidelity" not in rows["SfP [signed mean]"] and set(board.column("infidelity")) == {"SfP"}
+    text = board.to_markdown()
+    assert "SemanticPullbacks lib/evaluator.py" in text and "signed per-channel" in text

@@ -134,6 +134,8 @@ class Explainer:
             ``ranking_source`` saying where that comes from; the leaderboard scores pixel-ranking metrics with it.
         takes_baselines, default_baselines: whether ``baselines`` is used, and its default.
         has_convergence_delta: ``return_convergence_delta=True`` is supported (Captum's meaning).
+        infidelity_per_channel: infidelity scores the signed (B, C, H, W) attribution, not the map.
+        extra_rankings: other reductions whose deletion / insertion the leaderboard reports beside the map's.
 
     Attributes:
         classifier: the explained classifier (metrics read ``.classifier`` to resolve targets).
@@ -152,6 +154,8 @@ class Explainer:
     takes_baselines = False
     default_baselines: Any = None
     has_convergence_delta = False
+    infidelity_per_channel = False
+    extra_rankings: tuple[str, ...] = ()
 
     def __init__(self, classifier: nn.Module, *, baselines: Any = None, **options: Any) -> None:
         if not isinstance(classifier, nn.Module):

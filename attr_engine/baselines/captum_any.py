@@ -95,6 +95,7 @@ class CaptumMethod(Explainer):
         self.has_convergence_delta = "return_convergence_delta" in call
         layer_output = issubclass(cls, import_captum().LayerAttribution)
         self.per_channel = not layer_output
+        self.infidelity_per_channel = self.per_channel
         self.display_reduce = display_reduce if not layer_output else None
         self.ranking_reduce = ranking_reduce
         if ranking_reduce is not None:

@@ -46,6 +46,7 @@ class Gradient(Explainer):
 
     name = "gradient"
     per_channel = True
+    infidelity_per_channel = True
     display_reduce = "mean"
 
     def __init__(self, classifier: nn.Module, **options: Any) -> None:
@@ -78,6 +79,8 @@ class GradientXInput(Explainer):
 
     name = "gradient-x-input"
     per_channel = True
+    infidelity_per_channel = True
+    multiplies_by_inputs = True
     display_reduce = "sum"
 
     def __init__(self, classifier: nn.Module, **options: Any) -> None:
@@ -98,6 +101,8 @@ class IntegratedGradients(Explainer):
 
     name = "integrated-gradients"
     per_channel = True
+    infidelity_per_channel = True
+    multiplies_by_inputs = True
     display_reduce = "sum"
     options: ClassVar[dict[str, Any]] = {"n_steps": 32, "method": "gausslegendre", "internal_batch_size": 256}
     takes_baselines = True

@@ -116,6 +116,8 @@ class PullbackExplainer(Explainer):
     display_reduce = "mean"
     ranking_reduce = "abs"
     ranking_source = PULLBACK_RANKING_SOURCE
+    infidelity_per_channel = True
+    extra_rankings = ("input", "mean")
     options: ClassVar[dict[str, Any]] = {"steps": None, "alpha": None}
 
     def __init__(
