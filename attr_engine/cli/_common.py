@@ -237,6 +237,10 @@ def load_classifier_args(args: argparse.Namespace, device: torch.device, *, img_
             raise UsageError(f"{checkpoint} does not record its architecture; name it with --model NAME")
     if name in SMALL_MODELS:
         raise UsageError(f"{name!r} is a train-classifier preset; pass the checkpoint it wrote with --classifier")
+    clf = open_classifier(
+        name, pretrained=args.pretrained, num_classes=args.num_classes, img_size=img_size, checkpoint=checkpoint
+    )
+    # After the build: a bad name is then the one error line, with no warning before it.
     if checkpoint is None and not args.pretrained:
         import warnings
 
@@ -246,9 +250,6 @@ def load_classifier_args(args: argparse.Namespace, device: torch.device, *, img_
             "untrained network",
             stacklevel=2,
         )
-    clf = open_classifier(
-        name, pretrained=args.pretrained, num_classes=args.num_classes, img_size=img_size, checkpoint=checkpoint
-    )
     return clf.to(device)
 
 
