@@ -163,8 +163,8 @@ _RANKING_NAMES = {
     "mean": "signed mean",
     "sum": "signed sum",
     "max": "max",
-    "abs": "mean |.|",
-    "abs-sum": "sum |.|",
+    "abs": "mean abs",  # no "|": it would split a Markdown table cell
+    "abs-sum": "sum abs",
     "input": "x·(x−r)",
 }
 

@@ -4,9 +4,11 @@
     python -m benches.bench_leaderboard --quick --out reports/leaderboard    # smoke run, about 2 minutes
 
 For each classifier (``small_model_config`` ViT and ResNet at 64 px, trained on ShapesDataset) an AHA explainer is
-trained, then every method - AHA (T=0, T=3), SfP, PA and every registered baseline that applies - is scored on the
-same held-out images on deletion / insertion (AHA protocol), Pos / Neg, infidelity (optimal scaling), max-sensitivity,
-random logit (Pearson) and the pointing games, with ms/image. Written to ``--out``: ``leaderboard_<kind>.md`` /
+trained, then every method - AHA (T=0, T=3), SfP, PA and every registered baseline that applies, DeepLift and Guided
+Grad-CAM (Captum) among them - is scored on the same held-out images on deletion / insertion (AHA protocol), Pos /
+Neg, infidelity (optimal scaling), max-sensitivity, random logit (Pearson) and the pointing games, with ms/image.
+Each method is scored with the reductions it declares (``ranked by`` column; the pullbacks also get rows for
+``x·(x−r)`` and the signed mean, see ``attr_engine.evaluate``). Written to ``--out``: ``leaderboard_<kind>.md`` /
 ``.csv`` / ``_curves.png`` / ``_maps.png`` per classifier and ``summary.md`` with the project's targets:
 
 - AHA (T=0 or T=3) has the best deletion and the best insertion of all methods, on both classifiers;
@@ -86,7 +88,7 @@ def methods(classifier, aha: AHA, budget: Budget, seed: int) -> dict[str, Explai
     }
     options = {
         "integrated-gradients": {"n_steps": budget.ig_steps},
-        "smoothgrad": {"n_samples": budget.smoothgrad_samples},
+        "smoothgrad": {"nt_samples": budget.smoothgrad_samples},
         "rise": {"n_masks": budget.rise_masks, "seed": seed},
     }
     for name in list_explainers(classifier):

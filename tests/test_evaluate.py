@@ -129,7 +129,7 @@ def test_each_method_is_scored_with_its_declared_reductions() -> None:
     full = get_explainer("pullback-soft", clf).attribute(x, y, reduce=None)
     rows = {r["method"]: r for r in board.rows}
     assert list(rows) == ["SfP", "SfP [x·(x−r)]", "SfP [signed mean]"]
-    assert rows["SfP"]["ranked by"] == "mean |.|"
+    assert rows["SfP"]["ranked by"] == "mean abs"
     di = deletion_insertion(clf, x, full.abs().mean(1), y, protocol="aha")
     assert rows["SfP"]["deletion"] == pytest.approx(di.deletion.mean().item(), rel=1e-5)
     gen = torch.Generator().manual_seed(0)

@@ -17,8 +17,8 @@ __all__ = ["PULLBACK_RANKING_SOURCE", "AHAExplainer", "PullbackExplainer", "aha_
 
 # Where the pullback's pixel-ranking reduction comes from (see PullbackExplainer).
 PULLBACK_RANKING_SOURCE = (
-    "314-Foundation/SemanticPullbacks lib/evaluator.py: the full (B, C, H, W) pullback goes to Quantus 0.6.0, whose "
-    "pixel-ordering metrics rank the values' size (MonotonicityCorrelation abs=True, normalise=True)"
+    "314-Foundation/SemanticPullbacks lib/evaluator.py hands the full (B, C, H, W) pullback to Quantus 0.6.0; its "
+    "MonotonicityCorrelation ranks absolute values (abs=True), its FaithfulnessEstimate the signed per-channel values"
 )
 
 
