@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import tempfile
@@ -451,3 +452,18 @@ def test_bad_inputs_are_named():
         aha.fit(_Pairs(x, torch.zeros(2)), batch_size=4, progress=False)
     with tempfile.TemporaryDirectory() as d, pytest.raises(FileNotFoundError, match="no AHA checkpoint"):
         aha.fit(_Pairs(x, torch.zeros(2)), batch_size=2, resume=Path(d), progress=False)
+
+
+@pytest.mark.parametrize("model", ["test_vit", "test_convnext"])
+def test_two_training_steps_at_224_px_with_the_official_defaults(model: str) -> None:
+    """AHA at 224 px as on ImageNet: grid 7..28 and 16 fractions (the official setting), a tiny timm model."""
+    from attr_engine import load_classifier
+
+    torch.manual_seed(0)
+    clf = load_classifier(model, pretrained=False, num_classes=10, img_size=224)
+    aha = AHA(clf, AHAConfig(targets="pred"))
+    data = torch.utils.data.TensorDataset(torch.rand(4, 3, 224, 224), torch.arange(4) % 10)
+    history = aha.fit(data, batch_size=2, max_steps=2, progress=False)
+    assert aha.config.grid_range == (7, 28) and aha.config.n_fractions == 16
+    assert len(history["loss"]) == 2 and all(math.isfinite(v) for v in history["loss"])
+    assert aha.attribute(torch.rand(1, 3, 224, 224)).shape == (1, 224, 224)
