@@ -24,9 +24,10 @@ games) use the map its ``ranking_reduce`` declares (the Semantic Pullback: mean 
 :data:`~attr_engine.baselines.ours.PULLBACK_RANKING_SOURCE`; every other method: its own map), and the infidelities
 use the signed per-channel attribution of methods that declare ``infidelity_per_channel`` (gradient, gradient x
 input, Integrated Gradients, the pullbacks, DeepLift, ``captum:...``), broadcasting the map otherwise. The
-``ranked by`` column says which map was ranked. Methods with ``extra_rankings`` (the pullbacks: ``"input"``, i.e.
-``sum_c pullback_c (x_c - mean colour_c)``, and the signed channel mean) get extra rows with the deletion /
-insertion of those maps.
+``ranked by`` column says which map was ranked. With ``extra_rankings=True``, methods that
+declare some (the pullbacks: ``"input"``, i.e. ``sum_c pullback_c (x_c - mean colour_c)``, and the signed channel
+mean) get extra rows with the deletion / insertion of those maps.
+
 Every random metric draws from a generator seeded with ``seed`` for each method, so all methods see the same noise.
 Metric settings can be overridden per metric: ``metrics={"infidelity": {"n_samples": 10}, "deletion": {}}``.
 """
@@ -329,6 +330,7 @@ def evaluate(
     keep: int = 4,
     title: str = "",
     log: Callable[[str], None] | None = None,
+    extra_rankings: bool = False,
 ) -> Leaderboard:
     """Score every method on every metric over the same images.
 
@@ -346,6 +348,8 @@ def evaluate(
         keep: how many images (and their maps) to keep for figures.
         title: caption stored on the result.
         log: called with a progress line per method.
+        extra_rankings: add a row per extra reduction a method declares (the pullbacks: ``x·(x−r)`` and the signed
+            mean) with its deletion / insertion, after the method's row.
 
     Returns:
         :class:`Leaderboard`.
@@ -418,7 +422,8 @@ def evaluate(
             board.notes.append(f"{label}: infidelity scores the signed per-channel attribution.")
         # Other readings of the same attribution, for deletion / insertion only (no time: the maps are reused).
         extra = [m for m in ("deletion", "insertion") if m in settings]
-        for reduction in getattr(explainer, "extra_rankings", ()) if channels is not None and extra else ():
+        wanted = extra_rankings and channels is not None and extra
+        for reduction in getattr(explainer, "extra_rankings", ()) if wanted else ():
             reference = resolve_baselines("mean", x, classifier) if reduction == "input" else None
             alt = reduce_channels(channels, reduction, x, reference)
             alt_ctx = _Context(classifier, x, targets, alt, masks, explainer, seed, batch_size)

@@ -148,6 +148,7 @@ def run(kinds: list[str], *, quick: bool, out: Path, seed: int = 0, batch_size: 
             seed=seed,
             title=f"{kind} ({acc:.0%} accuracy), {budget.n_test} images at {IMG} px",
             log=lambda line, k=kind: print(f"[{k}] {line}"),
+            extra_rankings=True,
         )
         print(f"[{kind}] evaluated in {time.perf_counter() - start:.0f} s")
         boards[kind] = board

@@ -123,7 +123,8 @@ def test_each_method_is_scored_with_its_declared_reductions() -> None:
     clf = tiny_resnet(num_classes=6)
     x, _, _ = ShapesDataset(3, img_size=32, seed=4).tensors()
     metrics = {"deletion": {}, "insertion": {}, "infidelity": {"n_samples": 1}}
-    board = evaluate(clf, {"SfP": "pullback-soft"}, (x,), metrics, batch_size=3)
+    board = evaluate(clf, {"SfP": "pullback-soft"}, (x,), metrics, batch_size=3, extra_rankings=True)
+    assert [r["method"] for r in evaluate(clf, {"SfP": "pullback-soft"}, (x,), ["deletion"]).rows] == ["SfP"]
     with torch.no_grad():
         y = clf(x).argmax(1)
     full = get_explainer("pullback-soft", clf).attribute(x, y, reduce=None)

@@ -263,10 +263,12 @@ class Occlusion(Explainer):
             value = options[key]
             if value is None:
                 continue
+            # Errors name the window / stride: most callers give a side through the older option names.
+            label = "window" if key == "sliding_window_shapes" else "stride"
             if isinstance(value, int | float) and not isinstance(value, bool):
-                options[key] = (3, check_int_at_least(value, key, 1), int(value))
+                options[key] = (3, check_int_at_least(value, label, 1), int(value))
             elif isinstance(value, Sequence) and not isinstance(value, str) and len(value) in (2, 3):
-                sides = tuple(check_int_at_least(v, key, 1) for v in value)
+                sides = tuple(check_int_at_least(v, label, 1) for v in value)
                 options[key] = sides if len(sides) == 3 else (3, *sides)
             else:
                 raise ValueError(f"{key} must be a side, (h, w) or (3, h, w), got {value!r}")
