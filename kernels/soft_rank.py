@@ -280,13 +280,14 @@ def _chunk_size(n: int) -> int:
 
     One thread: as many as keep the chunk's float64 K (and its E) within _CHUNK_BYTES, so the matrix-vector products
     stream them from cache (at N = 784 one sample; larger chunks measured slower, DRAM-bound). Several threads: at
-    least two samples per thread, so that each batched product splits across threads by sample. A product inside
+    least one sample per thread, so that each batched product splits across threads by sample. A product inside
     one sample splits it and meets a barrier at every one of the ~4 T products of a step, which stalls whenever
-    another job holds a core (measured 11.6 s against 2.1 s at two threads on a loaded 2-core machine).
+    another job holds a core (measured 11.6 s against 2.1 s at two threads on a loaded 2-core machine); two samples
+    per thread measured no faster than one (2.86 s vs 2.79 s) and held more memory.
     """
     by_cache = max(1, _CHUNK_BYTES // (8 * n * n))
     threads = torch.get_num_threads()
-    return by_cache if threads == 1 else max(by_cache, 2 * threads)
+    return by_cache if threads == 1 else max(by_cache, threads)
 
 
 def _structured_forward(
