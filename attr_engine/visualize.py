@@ -222,7 +222,7 @@ def plot_maps(
         lo = -1.0 if style.signed else 0.0
         bar = ScalarMappable(Normalize(lo, 1.0), colormaps[style.cmap])
         cb = fig.colorbar(bar, cax=cax, orientation="horizontal")
-        # Three ticks inside the bar's ends, so the labels of neighbouring bars never touch.
+        # Three ticks near the bar's ends, so the labels of neighbouring bars never touch.
         if style.signed:
             cb.set_ticks([-0.9, 0.0, 0.9], labels=["against", "0", "for"])
             cb.set_label("signed, ±p99 of each map", fontsize=8)
@@ -230,6 +230,10 @@ def plot_maps(
             cb.set_ticks([0.05, 0.5, 0.95], labels=["0", "0.5", "p99"])
             cb.set_label("0 … p99 of each map", fontsize=8)
         cb.ax.tick_params(labelsize=8, length=2)
+        # The end labels grow inwards from their ticks, so long ones ("against") stay over their own bar.
+        ends = cb.ax.get_xticklabels()
+        ends[0].set_horizontalalignment("left")
+        ends[-1].set_horizontalalignment("right")
     fig.add_subplot(grid[k, 0]).set_axis_off()
     if title:
         fig.suptitle(title, fontsize=12)
