@@ -322,34 +322,6 @@ def test_attribute_defaults_to_prediction_and_refines():
     torch.testing.assert_close(refined, aha.attribute(x, refine_steps=2, generator=0))
 
 
-def test_refined_map_of_an_image_does_not_depend_on_its_batch():
-    """Refinement is per image: an image's refined map is the same alone, in a batch of 8, and at another position."""
-    aha = AHA(colour_classifier(), AHAConfig(**FAST))
-    x, _ = colour_images(8)
-    batch = aha.attribute(x, 0, refine_steps=3, generator=7)
-    alone = torch.cat([aha.attribute(x[i : i + 1], 0, refine_steps=3, generator=7) for i in range(8)])
-    shuffled = aha.attribute(x.flip(0), 0, refine_steps=3, generator=7).flip(0)
-    torch.testing.assert_close(alone, batch, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(shuffled, batch, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(batch, aha.attribute(x, 0), atol=1e-4)  # the steps did change the maps
-
-
-def test_refinement_costs_two_passes_per_fraction_and_step():
-    """T steps with the default 8 refinement fractions: 2 x 8 x T classifier passes per image (plus one forward),
-    within Integrated Gradients' 50 passes at T = 3."""
-    clf = colour_classifier()
-    aha = AHA(clf, AHAConfig(**FAST))
-    seen = []
-    handle = clf._model.register_forward_hook(lambda _m, args, _o: seen.append(args[0].shape[0]))
-    try:
-        x, _ = colour_images(2)
-        aha.attribute(x, 0, refine_steps=3, generator=0)
-    finally:
-        handle.remove()
-    assert aha.config.refine_fractions == 8
-    assert sum(seen) / 2 <= 50 and sum(seen) / 2 >= 2 * 8 * 3
-
-
 def test_save_load_round_trip_and_mismatch(tmp_path):
     clf = colour_classifier()
     aha = AHA(clf, AHAConfig(**FAST))

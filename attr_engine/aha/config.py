@@ -45,11 +45,8 @@ class AHAConfig:
         CUDA).
 
     Test-time refinement:
-        refine_lr: Adam step size of the per-image decoder fine-tuning (about 3x the training rate worked best on
+        refine_lr: Adam step size of the per-batch decoder fine-tuning (about 3x the training rate worked best on
             the embedded data: 3e-4 gained half as much, 3e-3 overshot).
-        refine_fractions: fractions per curve of a refinement step (measured here, by cost): a step costs
-            2 x refine_fractions classifier passes with backward per image, so 8 keeps T = 3 (48 passes) within
-            the cost of Integrated Gradients with 50 steps; the training's 16 would cost 96.
     """
 
     backbone: str | None = None
@@ -79,7 +76,6 @@ class AHAConfig:
     amp: bool = True
 
     refine_lr: float = 1e-3
-    refine_fractions: int = 8
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -90,10 +86,8 @@ class AHAConfig:
         _positive_int(self.decoder_dim, "decoder_dim")
         _positive_int(self.class_dim, "class_dim")
         _positive_int(self.n_iters, "n_iters")
-        for name in ("n_fractions", "refine_fractions"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-                raise ValueError(f"{name} must be an int >= 2 (a curve needs two points), got {value!r}")
+        if isinstance(self.n_fractions, bool) or not isinstance(self.n_fractions, int) or self.n_fractions < 2:
+            raise ValueError(f"n_fractions must be an int >= 2 (a curve needs two points), got {self.n_fractions!r}")
         if self.grid_range is not None:
             lo, hi = self.grid_range
             if not 1 <= lo <= hi:
