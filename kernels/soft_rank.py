@@ -99,9 +99,14 @@ def _seed_base(batch: int, generator: torch.Generator | int | None) -> int:
     return int(torch.randint(0, span, (1,), generator=generator, device=gen_device).item())
 
 
+def _seeds_from_base(batch: int, base: int) -> torch.Tensor:
+    """Per-sample noise seeds (B,) int64 on the CPU: ``base`` plus the sample's index."""
+    return torch.arange(batch, dtype=torch.int64) + base
+
+
 def _sample_seeds(batch: int, generator: torch.Generator | int | None, device: torch.device) -> torch.Tensor:
     """One 31-bit seed per sample (B,) int64 on the CPU: ``_seed_base`` plus the sample's index."""
-    return torch.arange(batch, dtype=torch.int64) + _seed_base(batch, generator)
+    return _seeds_from_base(batch, _seed_base(batch, generator))
 
 
 def gumbel_noise(seeds: torch.Tensor, n: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -397,7 +402,7 @@ def _soft_topk_reference_op(
     scores: torch.Tensor, weights: torch.Tensor, tau: float, n_iters: int, noise: float, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Structured forward: masks (B, S, N) in scores' dtype, potentials u, v (B, T, N) float64."""
-    seeds = torch.arange(scores.shape[0], dtype=torch.int64) + seed if noise > 0 else None
+    seeds = _seeds_from_base(scores.shape[0], seed) if noise > 0 else None
     masks, us, vs = _structured_forward(scores, weights, tau, n_iters, noise, seeds)
     return masks.to(scores.dtype), us, vs
 
@@ -421,7 +426,7 @@ def _soft_topk_reference_backward_op(
     seed: int,
 ) -> torch.Tensor:
     """Structured backward: d loss / d scores (B, N) in scores' dtype."""
-    seeds = torch.arange(scores.shape[0], dtype=torch.int64) + seed if noise > 0 else None
+    seeds = _seeds_from_base(scores.shape[0], seed) if noise > 0 else None
     return _structured_backward(grad_masks, scores, weights, tau, noise, seeds, us, vs).to(scores.dtype)
 
 
