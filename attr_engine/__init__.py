@@ -6,8 +6,10 @@ The public API:
 - :class:`AHA`, :class:`AHAConfig` - the amortized explainer.
 - :class:`SemanticPullback`, :class:`PullbackConfig`, :func:`soft_adjoint` - soft-adjoint pullbacks on any model.
 - :mod:`attr_engine.metrics` - deletion/insertion, localisation, infidelity, sensitivity and randomisation metrics.
-- :func:`get_explainer` / :func:`list_explainers` - baselines and our methods behind one call shape (Captum's);
-  :func:`quantus_explain_func` - any of them as a Quantus ``explain_func``.
+- :class:`Explainer`, :func:`get_explainer` / :func:`list_explainers` / :func:`register_explainer` - every method
+  (AHA, the pullbacks, the baselines, plugins) behind one protocol with Captum's call shape;
+  :func:`quantus_explain_func` / :class:`CaptumAdapter` - any of them as a Quantus ``explain_func`` or a Captum
+  attribution object.
 - :func:`evaluate` - a leaderboard of methods x metrics.
 - :mod:`attr_engine.data` - the embedded procedural dataset and an image-folder loader.
 - :func:`preprocess`, :func:`to_image_frame`, :func:`data_config` - the classifier's own resize and crop, and maps
@@ -28,9 +30,12 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "AHA": "attr_engine.aha",
     "AHAConfig": "attr_engine.aha",
-    "get_explainer": "attr_engine.baselines",
-    "list_explainers": "attr_engine.baselines",
-    "quantus_explain_func": "attr_engine.baselines",
+    "Explainer": "attr_engine.explainer",
+    "get_explainer": "attr_engine.explainer",
+    "list_explainers": "attr_engine.explainer",
+    "register_explainer": "attr_engine.explainer",
+    "CaptumAdapter": "attr_engine.adapters",
+    "quantus_explain_func": "attr_engine.adapters",
     "Classifier": "attr_engine.classifier",
     "load_classifier": "attr_engine.classifier",
     "Leaderboard": "attr_engine.evaluate",
@@ -55,9 +60,11 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "AHA",
     "AHAConfig",
+    "CaptumAdapter",
     "Classifier",
     "DataConfig",
     "DeletionInsertion",
+    "Explainer",
     "Leaderboard",
     "PullbackConfig",
     "SemanticPullback",
@@ -74,16 +81,18 @@ __all__ = [
     "pointing_game",
     "preprocess",
     "quantus_explain_func",
+    "register_explainer",
     "soft_adjoint",
     "to_image_frame",
     "train_classifier",
 ]
 
 if TYPE_CHECKING:
+    from attr_engine.adapters import CaptumAdapter, quantus_explain_func
     from attr_engine.aha import AHA, AHAConfig
-    from attr_engine.baselines import get_explainer, list_explainers, quantus_explain_func
     from attr_engine.classifier import Classifier, load_classifier
     from attr_engine.evaluate import Leaderboard, evaluate
+    from attr_engine.explainer import Explainer, get_explainer, list_explainers, register_explainer
     from attr_engine.imageops import DataConfig, data_config, preprocess, to_image_frame
     from attr_engine.metrics import DeletionInsertion, deletion_insertion, energy_pointing_game, pointing_game
     from attr_engine.pullback import PullbackConfig, SemanticPullback, SoftAdjoint, default_alpha, soft_adjoint

@@ -458,21 +458,38 @@ def save_classifier(
 
 
 def resolve_targets(
-    classifier: nn.Module,
+    classifier: nn.Module | None,
     x: torch.Tensor,
     target: int | Sequence[int] | torch.Tensor | None,
     *,
+    logits: torch.Tensor | None = None,
     check_range: bool = True,
 ) -> torch.Tensor:
-    """(B,) int64 classes on ``x``'s device: ``None`` takes the prediction, an int applies to every image.
+    """The classes to explain or score: (B,) int64 on ``x``'s device. The one target resolver of the package: every
+    method (through :class:`~attr_engine.explainer.Explainer`) and every metric resolves targets here, so all of
+    them accept the same targets and refuse bad ones with the same errors.
 
-    ``check_range=False`` leaves the class range to the caller (e.g. checked against logits it computes anyway).
+    Args:
+        classifier: the model; ``None`` is allowed when ``logits`` are given or ``target`` is not None.
+        x: (B, ...) the images (only their batch size and device are read unless the prediction is needed).
+        target: ``None`` takes the predicted class; an int applies to every image; else a sequence or (B,) integer
+            tensor, one class per image.
+        logits: (B, K) logits of ``x`` if the caller computed them anyway: ``None`` then takes their argmax (no
+            second classifier pass) and K bounds the classes.
+        check_range: check the classes against ``[0, K)``, K from ``logits`` or ``classifier.num_classes`` (only
+            ``>= 0`` when neither is known). False leaves the range to the caller (e.g. checked against logits it
+            computes anyway).
 
     Raises:
-        ValueError: booleans, floats, a wrong length, or a class outside ``[0, num_classes)`` (when known).
+        ValueError: booleans, floats, a wrong length, a class outside ``[0, K)``, or ``target=None`` with neither
+            a classifier nor logits.
     """
     batch = x.shape[0]
     if target is None:
+        if logits is not None:
+            return logits.argmax(dim=1).to(x.device)
+        if classifier is None:
+            raise ValueError("target=None takes the predicted class, which needs a classifier; pass target explicitly")
         with torch.no_grad():
             return classifier(x).argmax(dim=1)
     if isinstance(target, bool) or (isinstance(target, torch.Tensor) and target.dtype == torch.bool):
@@ -489,8 +506,11 @@ def resolve_targets(
         raise ValueError(f"target must be an int or have one entry per image ({batch}), got shape {tuple(t.shape)}")
     if not check_range:
         return t.long()
-    num_classes = getattr(classifier, "num_classes", None)
-    upper = num_classes if isinstance(num_classes, int) else None
+    if logits is not None:
+        upper: int | None = logits.shape[-1]
+    else:
+        num_classes = getattr(classifier, "num_classes", None)
+        upper = num_classes if isinstance(num_classes, int) else None
     if bool((t < 0).any()) or (upper is not None and bool((t >= upper).any())):
         raise ValueError(f"target classes must lie in [0, {upper if upper is not None else 'K'}), got {t.tolist()}")
     return t.long()

@@ -21,7 +21,7 @@ Infidelity patches of H/4 and H/2 are the SP paper's 56 and 112 px at 224 px; bo
 
 Each method is scored the way its authors score it: pixel-ranking metrics (deletion, insertion, pos, neg, pointing
 games) use the map its ``ranking_reduce`` declares (the Semantic Pullback: mean |value| over channels, see
-:data:`~attr_engine.baselines.ours.PULLBACK_RANKING_SOURCE`; every other method: its own map), and the infidelities
+:data:`~attr_engine.pullback.PULLBACK_RANKING_SOURCE`; every other method: its own map), and the infidelities
 use the signed per-channel attribution of methods that declare ``infidelity_per_channel`` (gradient, gradient x
 input, Integrated Gradients, the pullbacks, DeepLift, ``captum:...``), broadcasting the map otherwise. The
 ``ranked by`` column says which map was ranked. With ``extra_rankings=True``, methods that
@@ -42,9 +42,8 @@ from typing import Any
 
 import torch
 
-from attr_engine.baselines import Explainer, FunctionExplainer, get_explainer
-from attr_engine.baselines.base import reduce_channels, resolve_baselines
 from attr_engine.classifier import Classifier
+from attr_engine.explainer import Explainer, FunctionExplainer, get_explainer, reduce_channels, resolve_baselines
 from attr_engine.metrics import (
     deletion_insertion,
     energy_pointing_game,
@@ -337,7 +336,7 @@ def evaluate(
     Args:
         classifier: the frozen classifier; the images are moved to its device.
         methods: ``{display name: method}`` or a sequence of methods, each a registry name (see
-            :func:`~attr_engine.baselines.list_explainers`), an :class:`~attr_engine.baselines.Explainer`, or a
+            :func:`~attr_engine.explainer.list_explainers`), an :class:`~attr_engine.explainer.Explainer`, or a
             callable ``fn(x, target) -> maps`` (mapping form only, to name it).
         data: ``(x, labels, masks)`` / ``(x, labels)`` / ``x`` tensors, a dataset with ``.tensors()`` (e.g.
             :class:`~attr_engine.data.ShapesDataset`), or a map-style dataset of such tuples.

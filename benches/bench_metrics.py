@@ -29,7 +29,8 @@ import numpy as np
 import quantus
 import torch
 
-from attr_engine.baselines import Gradient, quantus_explain_func
+from attr_engine.adapters import quantus_explain_func
+from attr_engine.baselines import Gradient
 from attr_engine.metrics import infidelity, max_sensitivity, random_logit
 from attr_engine.train import small_model_config
 

@@ -202,17 +202,17 @@ def test_checkpoint_resume_is_exact(tmp_path):
 
 def _killed_while_checkpointing(out: str) -> None:
     """Train with a checkpoint every 3 steps and die like SIGKILL (no cleanup) while writing the step-6 weights."""
-    import attr_engine.aha.model as model_module
+    import attr_engine.aha.persistence as persistence
 
     torch.set_num_threads(1)
-    real_save = model_module.save_safetensors
+    real_save = persistence.save_safetensors
 
     def save(tensors, path, metadata=None):
-        if Path(path).name == model_module.WEIGHTS_FILE and (metadata or {}).get("steps_trained") == "6":
+        if Path(path).name == persistence.WEIGHTS_FILE and (metadata or {}).get("steps_trained") == "6":
             os._exit(9)  # after trainer.safetensors of step 6 is in place, before its weights
         real_save(tensors, path, metadata)
 
-    model_module.save_safetensors = save
+    persistence.save_safetensors = save
     x, y = colour_images(8)
     aha = AHA(colour_classifier(), AHAConfig(**FAST, fraction_sampling="random"))
     aha.fit(_Pairs(x, y), epochs=3, batch_size=2, progress=False, checkpoint_dir=out, checkpoint_every=3)
@@ -251,7 +251,7 @@ def _kill_and_resume(tmp_path: Path) -> None:
 
 
 def test_checkpoints_keep_the_last_two_whole_directories_and_a_pointer(tmp_path):
-    from attr_engine.aha.model import checkpoint_dir
+    from attr_engine.aha.persistence import checkpoint_dir
 
     x, y = colour_images(8)
     aha = AHA(colour_classifier(), AHAConfig(**FAST))

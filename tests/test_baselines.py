@@ -12,12 +12,11 @@ import torch
 import torch.nn.functional as F
 from captum.attr import LayerGradCam
 
+from attr_engine.adapters import CaptumAdapter, quantus_explain_func
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.baselines import (
     RISE,
     AttentionRollout,
-    CaptumAdapter,
-    FunctionExplainer,
     GradCAM,
     Gradient,
     GradientXInput,
@@ -25,11 +24,9 @@ from attr_engine.baselines import (
     Occlusion,
     Saliency,
     SmoothGrad,
-    get_explainer,
-    list_explainers,
-    quantus_explain_func,
     rise_masks,
 )
+from attr_engine.explainer import FunctionExplainer, get_explainer, list_explainers
 from attr_engine.pullback import SemanticPullback
 from tests.aha_helpers import colour_classifier, colour_images
 from tests.eval_helpers import images, linear_classifier, single_thread, tiny_convnet, tiny_resnet, tiny_vit

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from attr_engine.aha.model import checkpoint_dir
+from attr_engine.aha.persistence import checkpoint_dir
 from attr_engine.checkpoint import load_safetensors, save_safetensors
 from attr_engine.classifier import save_classifier
 from attr_engine.cli import explain as explain_cli

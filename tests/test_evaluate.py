@@ -117,8 +117,7 @@ def test_evaluate_checks_its_arguments() -> None:
 def test_each_method_is_scored_with_its_declared_reductions() -> None:
     """The pullback ranks pixels by mean |value| (its official evaluation), scores infidelity on its signed
     channels, and reports the deletion / insertion of x·(x−r) and of the signed mean beside it."""
-    from attr_engine.baselines import get_explainer
-    from attr_engine.baselines.base import reduce_channels, resolve_baselines
+    from attr_engine.explainer import get_explainer, reduce_channels, resolve_baselines
 
     clf = tiny_resnet(num_classes=6)
     x, _, _ = ShapesDataset(3, img_size=32, seed=4).tensors()

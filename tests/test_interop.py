@@ -15,8 +15,10 @@ from captum.attr import IntegratedGradients as CaptumIG
 from captum.attr import Saliency as CaptumSaliency
 
 import attr_engine
+from attr_engine import adapters
+from attr_engine.adapters import CaptumAdapter, quantus_explain_func
 from attr_engine.aha import AHA, AHAConfig
-from attr_engine.baselines import CaptumAdapter, adapters, get_explainer, quantus_explain_func
+from attr_engine.explainer import get_explainer
 from tests.eval_helpers import images, single_thread, tiny_convnet, tiny_resnet
 
 
@@ -79,7 +81,8 @@ def test_mprt_with_aha_sees_the_randomised_backbone() -> None:
     # rebinding shares the trained decoder and leaves the original explainer alone
     twin = copy.deepcopy(clf)
     bound = explainer.rebind(twin)
-    assert bound.aha.decoder is aha.decoder and bound.aha.classifier is twin and explainer.aha is aha
+    assert bound.decoder is aha.decoder and bound.classifier is twin and explainer.classifier is clf
+    assert aha.classifier is clf and bound is not aha
 
 
 def test_explain_func_kwargs_are_honoured() -> None:
@@ -124,7 +127,7 @@ def test_captum_call_shape_baselines_per_call_and_options() -> None:
     leaf = x.clone().requires_grad_(True)
     for baselines in (0.25, torch.full((3, 16, 16), 0.5), "mean", "blur"):
         got = ig.attribute(inputs=x, target=y, baselines=baselines, reduce=None)
-        from attr_engine.baselines.base import resolve_baselines
+        from attr_engine.explainer import resolve_baselines
 
         ref_base = resolve_baselines(baselines, x, clf)
         ref = CaptumIG(clf).attribute(leaf, baselines=ref_base, target=y, n_steps=4)

@@ -222,7 +222,8 @@ def test_infidelity_of_per_channel_attributions_equals_captum_through_the_adapte
     """captum.metrics.infidelity on CaptumAdapter's input-shaped attributions (its docstring example) equals ours."""
     from captum.metrics import infidelity_perturb_func_decorator
 
-    from attr_engine.baselines import CaptumAdapter, get_explainer
+    from attr_engine.adapters import CaptumAdapter
+    from attr_engine.explainer import get_explainer
 
     clf, x, _, y = case
     options = {"n_steps": 4} if name == "integrated-gradients" else {}

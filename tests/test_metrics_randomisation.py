@@ -12,7 +12,8 @@ import scipy.stats
 import torch
 from skimage.metrics import structural_similarity
 
-from attr_engine.baselines import Gradient, quantus_explain_func
+from attr_engine.adapters import quantus_explain_func
+from attr_engine.baselines import Gradient
 from attr_engine.metrics.randomisation import pearson_similarity, random_logit, random_other_class, ssim_similarity
 from tests.eval_helpers import images, single_thread, tiny_convnet
 from tests.tolerances import tol

@@ -11,7 +11,8 @@ import quantus
 import torch
 from captum.metrics import sensitivity_max
 
-from attr_engine.baselines import CaptumAdapter, Gradient, quantus_explain_func
+from attr_engine.adapters import CaptumAdapter, quantus_explain_func
+from attr_engine.baselines import Gradient
 from attr_engine.metrics.robustness import max_sensitivity
 from tests.eval_helpers import images, linear_classifier, single_thread, tiny_convnet
 from tests.tolerances import tol

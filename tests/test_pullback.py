@@ -152,7 +152,7 @@ def test_model_is_left_as_it_was(clf: Classifier) -> None:
         (dict(target=True), "integer class indices"),
         (dict(target="cat"), "target must be"),
         (dict(method="smooth"), "method must be one of"),
-        (dict(reduce="max"), "reduce must be one of"),
+        (dict(reduce="median"), "reduce must be one of"),
         (dict(steps=0), "steps must be an integer >= 1"),
         (dict(alpha=-1.0), "alpha must be a positive"),
     ],

@@ -3,103 +3,36 @@
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
-import re
-from collections.abc import Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from attr_engine.aha.config import AHAConfig
-from attr_engine.aha.explainer import Decoder, FeatureBackbone, build_backbone
 from attr_engine.aha.loss import soft_auc_loss
-from attr_engine.checkpoint import load_json, load_safetensors, save_json, save_safetensors
-from attr_engine.classifier import Classifier, check_device, resolve_targets
+from attr_engine.aha.network import Decoder, FeatureBackbone, build_backbone
+from attr_engine.aha.persistence import (
+    CONFIG_FILE,
+    FORMAT,
+    WEIGHTS_FILE,
+    classifier_fingerprint,
+    read_checkpoint,
+    write_checkpoint,
+)
+from attr_engine.aha.trainer import fit as train_decoder
+from attr_engine.classifier import Classifier
+from attr_engine.explainer import Explainer, register_explainer
 from attr_engine.imageops import reference_image
-from kernels._validate import check_tensor
+from kernels._validate import check_int_at_least
 
-_FORMAT = "attr_engine.aha/1"
-WEIGHTS_FILE = "explainer.safetensors"
-CONFIG_FILE = "config.json"
-# Training checkpoints: OUT/checkpoints/step-<8 digits>/ each hold a whole checkpoint; OUT/config.json points at one.
-CHECKPOINTS_DIR = "checkpoints"
-POINTER_KEY = "checkpoint"
-_STEP_DIR = re.compile(r"step-(\d{8,})")
+__all__ = ["AHA"]
 
 
-def step_dirs(path: str | os.PathLike[str]) -> list[Path]:
-    """Training checkpoint directories ``path/checkpoints/step-N`` that hold weights and a config, newest first.
-
-    A step directory is written under a temporary name and renamed into place whole, so one that exists is complete
-    unless its files were damaged afterwards (callers that load it still check).
-    """
-    root = Path(path) / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    found = []
-    for d in root.iterdir():
-        match = _STEP_DIR.fullmatch(d.name)
-        if match and d.is_dir() and (d / WEIGHTS_FILE).is_file() and (d / CONFIG_FILE).is_file():
-            found.append((int(match.group(1)), d))
-    return [d for _, d in sorted(found, reverse=True)]
-
-
-def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
-    """The directory whose weights :meth:`AHA.load` reads for ``path``.
-
-    ``path`` is either what :meth:`AHA.save` wrote (weights and config side by side) or a training output directory,
-    whose ``config.json`` names the current step directory (the pointer, switched last). A pointer to a missing or
-    incomplete step directory falls back to the newest complete one.
-
-    Raises:
-        FileNotFoundError: ``path`` holds no checkpoint.
-        ValueError: the pointer is not a step directory under ``path/checkpoints`` (a checkpoint may only point
-            inside itself).
-    """
-    src = Path(path)
-    if not src.is_dir():
-        raise FileNotFoundError(f"AHA checkpoint directory not found: {src}")
-    top = src / CONFIG_FILE
-    pointer = None
-    if top.is_file():
-        meta = load_json(top)
-        pointer = meta.get(POINTER_KEY) if isinstance(meta, dict) else None
-        if pointer is None and (src / WEIGHTS_FILE).is_file():
-            return src
-    if pointer is not None:
-        parts = Path(pointer).parts if isinstance(pointer, str) else ()
-        if len(parts) != 2 or parts[0] != CHECKPOINTS_DIR or not _STEP_DIR.fullmatch(parts[1]):
-            raise ValueError(f"{top}: {POINTER_KEY!r} must name a {CHECKPOINTS_DIR}/step-N directory, got {pointer!r}")
-        target = src / pointer
-        if (target / WEIGHTS_FILE).is_file() and (target / CONFIG_FILE).is_file():
-            return target
-    newest = step_dirs(src)
-    if newest:
-        return newest[0]
-    raise FileNotFoundError(f"no AHA checkpoint in {src} (no {CONFIG_FILE} with {WEIGHTS_FILE}, no {CHECKPOINTS_DIR}/)")
-
-
-def classifier_fingerprint(classifier: Classifier) -> str:
-    """A short hash of the classifier's architecture and weights: a checkpoint records the one it was trained for.
-
-    Parameter names, shapes and per-tensor float64 sums (rounded, so the same weights on another device or after a
-    save/load round trip give the same hash) identify a model without hashing every byte.
-    """
-    digest = hashlib.sha256()
-    for name, value in classifier.model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(str(tuple(value.shape)).encode())
-        if value.is_floating_point() and value.numel():
-            v = value.detach().double()
-            digest.update(f"{v.sum().item():.6e}/{v.abs().sum().item():.6e}".encode())
-    return digest.hexdigest()[:16]
-
-
-class AHA(nn.Module):
+class AHA(nn.Module, Explainer):
     """Amortized Hybrid Attribution: a decoder trained to minimise soft deletion and maximise soft insertion AUC.
 
     Args:
@@ -108,11 +41,27 @@ class AHA(nn.Module):
         img_size: training/inference resolution used to size the config's scale-dependent defaults; ``None`` takes
             the classifier's ``input_size`` (224 if unknown).
 
+    An :class:`~attr_engine.explainer.Explainer`: ``attribute(inputs, target=None, **options) -> (B, H, W)``
+    float32 maps, with the options
+
+    - ``refine_steps``: test-time refinement steps T (default 0: one forward pass). With T > 0 a copy of the decoder
+      is fine-tuned on the whole batch, so a map depends on the other images of its batch.
+    - ``seed`` (alias ``generator``): an int or a ``torch.Generator`` seeding the refinement's grid draws (None:
+      ``config.seed``), so refined maps are reproducible.
+
+    Calling the module itself, ``aha(x, target)``, runs the raw network (:meth:`forward`) without any checks.
+
     Example:
         >>> aha = AHA(classifier)  # doctest: +SKIP
         >>> aha.fit(train_set, epochs=1, batch_size=32)  # doctest: +SKIP
         >>> maps = aha.attribute(images)  # (B, H, W)  # doctest: +SKIP
+        >>> refined = aha.attribute(images, refine_steps=3, seed=0)  # doctest: +SKIP
     """
+
+    name = "aha"
+    needs_grad = False  # only refinement does (see _needs_grad)
+    options: ClassVar[Mapping[str, Any]] = {"refine_steps": 0, "seed": None}
+    option_aliases: ClassVar[Mapping[str, str]] = {"generator": "seed"}
 
     def __init__(self, classifier: Classifier, config: AHAConfig | None = None, *, img_size: int | None = None) -> None:
         super().__init__()
@@ -135,6 +84,7 @@ class AHA(nn.Module):
             self.decoder = Decoder(channels, classifier.num_classes, self.config.decoder_dim, self.config.class_dim)
         self.decoder.to(classifier.norm_mean.device)
         self.steps_trained = 0
+        Explainer.__init__(self, classifier)
 
     @property
     def device(self) -> torch.device:
@@ -149,59 +99,73 @@ class AHA(nn.Module):
     # Inference
     # ------------------------------------------------------------------------------------------------------------
 
-    def attribute(
-        self,
-        x: torch.Tensor,
-        target: int | Sequence[int] | torch.Tensor | None = None,
-        refine_steps: int = 0,
-        *,
-        generator: torch.Generator | int | None = None,
-    ) -> torch.Tensor:
-        """Attribution maps for a batch: one forward pass, plus optional test-time refinement.
+    def _check_options(self, options: dict[str, Any]) -> None:
+        check_int_at_least(options["refine_steps"], "refine_steps", 0)
+        seed = options["seed"]
+        # Any int torch accepts as a seed (negative ones too), or a generator: no count validator fits.
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | torch.Generator)):
+            raise ValueError(f"seed must be an int or a torch.Generator, got {seed!r}")
 
-        Args:
-            x: (B, 3, H, W) images in [0, 1].
-            target: class to explain: an int (every image), a sequence or ``(B,)`` integer tensor, or ``None`` for the
-                predicted class; resolved as every method does (:func:`~attr_engine.classifier.resolve_targets`):
-                booleans, floats, a wrong length or a class out of range are a ValueError.
-            refine_steps: T test-time refinement steps: a copy of the decoder takes T Adam steps (``config.refine_lr``)
-                on this batch's soft deletion/insertion objective, each at a grid size and offset drawn from the
-                training range; costs T soft-AUC evaluations (2 x n_fractions classifier passes per image each).
-            generator: seeds the refinement's grid draws (reproducible refinement).
+    def _needs_grad(self, options: Mapping[str, Any]) -> bool:
+        # Refinement trains a copy of the decoder; one forward pass needs no autograd (and runs in inference mode).
+        return options["refine_steps"] > 0
 
-        Returns:
-            (B, H, W) float32 maps; higher = more important for ``target``. Refinement works inside
-            ``torch.no_grad()`` (it enables gradients itself).
-
-        Raises:
-            RuntimeError: refinement inside ``torch.inference_mode()``, where no gradient can be computed.
-            ValueError: bad ``x``, ``target`` or ``refine_steps``.
-        """
-        check_device(x, self.classifier)
-        check_tensor(x, "x", ndim=4, finite=True)
-        if x.shape[1] != 3:
-            raise ValueError(f"x must be (B, 3, H, W), got shape {tuple(x.shape)}")
-        if isinstance(refine_steps, bool) or not isinstance(refine_steps, int) or refine_steps < 0:
-            raise ValueError(f"refine_steps must be an int >= 0, got {refine_steps!r}")
-        if refine_steps and torch.is_inference_mode_enabled():
-            raise RuntimeError(
-                "AHA refinement (refine_steps > 0) trains a copy of the decoder, which needs autograd: it cannot run "
-                "inside torch.inference_mode(); call it outside (torch.no_grad() is fine) or use refine_steps=0"
-            )
+    def _cast_inputs(self, x: torch.Tensor) -> torch.Tensor:
         # AHA's decoder works in float32: images of any floating dtype are cast once here (the classifier and the
         # backbone cast to their own dtype in turn).
-        x = x.float()
-        if x.shape[0] == 0:  # an empty batch: an empty result (the target still checked), no refinement to run
-            if target is not None:
-                resolve_targets(self.classifier, x, target)
-            return x.new_zeros(0, *x.shape[2:])
-        target = resolve_targets(self.classifier, x, target)
+        return x.float()
+
+    def _attribute(
+        self, x: torch.Tensor, target: torch.Tensor, *, refine_steps: int, seed: torch.Generator | int | None
+    ) -> torch.Tensor:
+        """(B, H, W) float32 maps for checked images x: (B, 3, H, W) and resolved targets: (B,).
+
+        With ``refine_steps`` T > 0: a copy of the decoder takes T Adam steps (``config.refine_lr``) on this batch's
+        soft deletion/insertion objective, each at a grid size and offset drawn from the training range; costs T
+        soft-AUC evaluations (2 x n_fractions classifier passes per image each).
+        """
         if refine_steps:
             # A copy made outside inference mode: an inference tensor (made under inference_mode) cannot be saved
             # for the refinement's backward.
-            return self._refine(x.clone(), target, refine_steps, generator)
+            return self._refine(x.clone(), target, refine_steps, seed)
         with torch.no_grad():
             return self(x, target).float()
+
+    def _shallow_copy(self, classifier: Classifier) -> AHA:
+        """This explainer's trained decoder (shared, not copied) and options over ``classifier``: its backbone (when
+        AHA uses the classifier's own) and that classifier as the scorer, so a model with randomised layers changes
+        the maps. A separately configured backbone (``config.backbone``) is kept, since it is not part of the
+        classifier."""
+        new = AHA.__new__(AHA)
+        nn.Module.__init__(new)
+        new.classifier = classifier
+        new.img_size = self.img_size
+        new.config = self.config
+        if self.config.backbone is None and classifier is not self.classifier:
+            new.backbone = build_backbone(classifier, None, self.config.layers, False)
+        else:
+            new.backbone = self.backbone
+        new.feature_channels = self.feature_channels
+        new.decoder = self.decoder
+        new.steps_trained = self.steps_trained
+        new.baselines = None
+        new.defaults = dict(self.defaults)
+        return new
+
+    def rebind(self, classifier: nn.Module) -> AHA:
+        """The trained decoder of this explainer over another classifier (see :meth:`_shallow_copy`); ``self`` for
+        the same classifier."""
+        if classifier is self.classifier:
+            return self
+        if not isinstance(classifier, Classifier):
+            raise ValueError(f"AHA explains an attr_engine Classifier, got {type(classifier).__name__}")
+        return self._shallow_copy(classifier)
+
+    def with_options(self, **options: Any) -> AHA:
+        """This explainer (the decoder shared) with these options as the defaults of every call."""
+        new = self._shallow_copy(self.classifier)
+        new.defaults = self._merge_options(self.defaults, options)
+        return new
 
     def _refine(
         self,
@@ -263,9 +227,7 @@ class AHA(nn.Module):
         Returns:
             History with per-step ``loss``, ``deletion``, ``insertion``, ``tau`` and ``lr``.
         """
-        from attr_engine.aha.trainer import fit
-
-        return fit(
+        return train_decoder(
             self, data, epochs=epochs, batch_size=batch_size, max_steps=max_steps, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, resume=resume, num_workers=num_workers, progress=progress,
         )  # fmt: skip
@@ -276,7 +238,7 @@ class AHA(nn.Module):
 
     def _metadata(self) -> dict[str, Any]:
         return {
-            "format": _FORMAT,
+            "format": FORMAT,
             "classifier": classifier_fingerprint(self.classifier),
             "num_classes": self.classifier.num_classes,
             "img_size": self.img_size,
@@ -291,44 +253,23 @@ class AHA(nn.Module):
         Only the decoder is saved; the frozen backbone comes from the classifier (or timm) when loading. Each file is
         written atomically, the weights first, so a crash never leaves a config pointing at missing weights.
         """
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        meta = self._metadata()
-        save_safetensors(
-            self.decoder.state_dict(),
-            out / WEIGHTS_FILE,
-            {"format": _FORMAT, "classifier": meta["classifier"], "steps_trained": str(self.steps_trained)},
-        )
-        save_json(meta, out / CONFIG_FILE)
-        return out
+        return write_checkpoint(path, self.decoder.state_dict(), self._metadata())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], classifier: Classifier) -> AHA:
         """Rebuild an explainer saved by :meth:`save` (or a training output directory) for ``classifier``.
 
-        A training directory loads the checkpoint its ``config.json`` points at (see :func:`checkpoint_dir`).
+        A training directory loads the checkpoint its ``config.json`` points at (see
+        :func:`~attr_engine.aha.persistence.checkpoint_dir`).
 
         Raises:
             FileNotFoundError: the directory or one of its files is missing.
             ValueError: the files are corrupt, of another format, inconsistent with each other, or were made for
                 a different classifier.
         """
-        src = checkpoint_dir(path)
-        meta = load_json(src / CONFIG_FILE)
-        if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-            raise ValueError(f"{src / CONFIG_FILE} is not an AHA checkpoint config (format {_FORMAT})")
-        state, weights_meta = load_safetensors(src / WEIGHTS_FILE, device=classifier.norm_mean.device)
-        steps = str(meta.get("steps_trained", 0))
-        same_step = weights_meta.get("steps_trained", steps) == steps
-        if weights_meta.get("classifier") != meta.get("classifier") or not same_step:
-            raise ValueError(f"{src}: weights and config belong to different checkpoints (torn write?)")
-        expected = classifier_fingerprint(classifier)
-        if meta["classifier"] != expected:
-            raise ValueError(
-                f"{src} was trained for another classifier (fingerprint {meta['classifier']}, this one is {expected})"
-            )
+        src, meta, state = read_checkpoint(path, classifier)
         try:
-            config = AHAConfig.from_dict(_tuples(meta["config"]))
+            config = AHAConfig.from_dict(meta["config"])
             aha = cls(classifier, config, img_size=int(meta["img_size"]))
         except (KeyError, TypeError) as err:
             raise ValueError(f"{src / CONFIG_FILE}: corrupt AHA config: {err}") from err
@@ -340,15 +281,24 @@ class AHA(nn.Module):
         return aha
 
 
-def _tuples(config: dict[str, Any]) -> dict[str, Any]:
-    """JSON turns tuples into lists; the config's tuple fields are restored so equality and hashing behave."""
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
-
-
 def _as_generator(generator: torch.Generator | int) -> torch.Generator:
     if isinstance(generator, torch.Generator):
         return generator
     return torch.Generator().manual_seed(int(generator))
 
 
-__all__ = ["AHA", "checkpoint_dir", "classifier_fingerprint", "step_dirs"]
+def _registered(classifier: nn.Module, *, aha: AHA | None = None, **options: Any) -> AHA:
+    """The registry's ``"aha"``: a trained ``aha`` (for ``classifier``) with these options as its defaults.
+
+    The seed of refinement defaults to 0 here (not ``config.seed``): what ``get_explainer("aha", ...)`` and the
+    CLI have always used, so their refined maps stay the same.
+    """
+    if not isinstance(aha, AHA):
+        raise ValueError(f"the 'aha' explainer needs a trained AHA passed as aha=..., got {type(aha).__name__}")
+    if aha.classifier is not classifier:
+        raise ValueError("aha was built for a different classifier than the one given")
+    options.setdefault("seed", 0)
+    return aha.with_options(**options)
+
+
+register_explainer("aha", _registered, description="trained AHA explainer (aha=..., refine_steps=T)")

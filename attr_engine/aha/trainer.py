@@ -27,7 +27,7 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,9 +36,12 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from attr_engine.aha.loss import soft_auc_loss
-from attr_engine.aha.model import AHA, CHECKPOINTS_DIR, CONFIG_FILE, POINTER_KEY, WEIGHTS_FILE, step_dirs
+from attr_engine.aha.persistence import CHECKPOINTS_DIR, CONFIG_FILE, POINTER_KEY, WEIGHTS_FILE, step_dirs
 from attr_engine.checkpoint import fresh_dir, fsync_dir, load_state, save_json, save_state
 from attr_engine.imageops import reference_image, scaled_blur
+
+if TYPE_CHECKING:  # AHA imports this module to train itself
+    from attr_engine.aha.model import AHA
 
 TRAINER_FILE = "trainer.safetensors"
 
@@ -373,7 +376,7 @@ def _load_trainer_state(
 
 def _read_checkpoint(aha: AHA, d: Path) -> tuple[dict[str, torch.Tensor], Any]:
     # AHA.load of a step directory reads that directory itself (it holds weights and config side by side).
-    loaded = AHA.load(d, aha.classifier)
+    loaded = type(aha).load(d, aha.classifier)
     if loaded.config != aha.config:
         raise ValueError(f"{d} was trained with a different AHAConfig; resume with the same configuration")
     state, meta = load_state(d / TRAINER_FILE)

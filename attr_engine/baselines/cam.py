@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attr_engine.baselines.base import Explainer, import_captum
+from attr_engine.baselines._captum import import_captum
+from attr_engine.explainer import Explainer
 
 __all__ = ["GradCAM", "find_layer", "is_vit", "layer_name"]
 

@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attr_engine.baselines.base import Explainer, import_captum, reduce_channels
+from attr_engine.baselines._captum import import_captum
 from attr_engine.baselines.cam import _last_cnn_stage, find_layer, layer_name
+from attr_engine.explainer import Explainer, reduce_channels
 
 __all__ = ["CaptumMethod", "captum_class"]
 

@@ -24,7 +24,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from attr_engine.baselines.base import Explainer, import_captum
+from attr_engine.baselines._captum import import_captum
+from attr_engine.explainer import Explainer
 from kernels._validate import check_int_at_least, check_positive
 
 __all__ = ["Gradient", "GradientXInput", "IntegratedGradients", "Occlusion", "Saliency", "SmoothGrad", "image_seeds"]

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attr_engine.baselines.base import Explainer
 from attr_engine.baselines.cam import is_vit, token_grid
+from attr_engine.explainer import Explainer
 
 __all__ = ["AttentionRollout"]
 

@@ -35,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and ``{command: subparser}``."""
     from attr_engine import __version__
-    from attr_engine.cli import bench, demo, explain, scoring, training
+    from attr_engine.cli import bench, demo, evaluate, explain, training
 
     parser = _Parser(
         prog=PROG,
@@ -52,7 +52,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands: dict[str, argparse.ArgumentParser] = {}
-    for module in (demo, training, explain, scoring, bench):
+    for module in (demo, training, explain, evaluate, bench):
         commands.update(module.register(subparsers))
     for sub in commands.values():
         sub.add_argument(

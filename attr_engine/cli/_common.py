@@ -312,7 +312,7 @@ def build_explainer(
 
     ``"pullback"`` is Pullback Ascent; ``"aha"`` loads the trained explainer from ``aha_dir``.
     """
-    from attr_engine.baselines import get_explainer, list_explainers
+    from attr_engine.explainer import get_explainer, list_explainers
 
     key = name.strip().lower().replace("_", "-")
     if key == "pullback":

@@ -37,7 +37,7 @@ from attr_engine.cli._common import (
     resolve_device,
     work_started,
 )
-from attr_engine.cli.scoring import markdown, plain_table, row_labels, run_leaderboard, write_board
+from attr_engine.cli.evaluate import markdown, plain_table, row_labels, run_leaderboard, write_board
 
 
 @dataclass(frozen=True)
@@ -169,9 +169,9 @@ def run_demo(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from attr_engine.aha import AHA, AHAConfig
-    from attr_engine.baselines import get_explainer
     from attr_engine.classifier import save_classifier
     from attr_engine.data import ShapesDataset
+    from attr_engine.explainer import get_explainer
     from attr_engine.train import evaluate_accuracy, small_model_config, train_classifier
 
     sizes = _sizes(args)

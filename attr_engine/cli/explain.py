@@ -202,7 +202,7 @@ class _Decoded:
 
 
 def _settings(args: argparse.Namespace, method: str, options: dict[str, Any], classifier: Any, config: Any) -> dict:
-    from attr_engine.aha.model import classifier_fingerprint
+    from attr_engine.aha.persistence import classifier_fingerprint
 
     settings = {
         "method": method,

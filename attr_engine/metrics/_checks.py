@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from attr_engine.classifier import Classifier
-from kernels._validate import check_int_at_least, check_tensor
+from attr_engine.classifier import Classifier, resolve_targets
+from kernels._validate import check_tensor
 
 __all__ = ["check_classifier", "check_images", "check_masks", "check_pixel_maps", "resolve_target"]
 
@@ -75,6 +75,9 @@ def check_masks(masks: object, shape: tuple[int, int, int], name: str = "masks")
 def resolve_target(target: int | torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
     """The class to score for each image: ``None`` takes the prediction on the clean images.
 
+    The package's one resolver (:func:`~attr_engine.classifier.resolve_targets`) with the clean logits, so metrics
+    accept and refuse targets exactly as the methods do.
+
     Args:
         target: ``None``, one class index for the whole batch, or ``(B,)`` integer class indices.
         logits: ``(B, K)`` logits of the clean images.
@@ -82,23 +85,4 @@ def resolve_target(target: int | torch.Tensor | None, logits: torch.Tensor) -> t
     Returns:
         ``(B,)`` int64 on ``logits``' device.
     """
-    batch, num_classes = logits.shape
-    if target is None:
-        return logits.argmax(dim=1)
-    if isinstance(target, torch.Tensor):
-        if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
-            raise ValueError(f"target must hold integer class indices, got dtype {target.dtype}")
-        if target.ndim == 0:
-            target = target.expand(batch)
-        if tuple(target.shape) != (batch,):
-            raise ValueError(f"target must be an int or a ({batch},) tensor, got shape {tuple(target.shape)}")
-        target = target.to(device=logits.device, dtype=torch.long)
-    else:
-        check_int_at_least(target, "target", 0)
-        target = torch.full((batch,), int(target), dtype=torch.long, device=logits.device)
-    bad = ((target < 0) | (target >= num_classes)).nonzero().flatten().tolist()
-    if bad:
-        raise ValueError(
-            f"target must be a class index in [0, {num_classes}), got {target[bad[0]].item()} (image {bad[0]})"
-        )
-    return target
+    return resolve_targets(None, logits, target, logits=logits)

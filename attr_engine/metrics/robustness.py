@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from attr_engine.classifier import resolve_targets
 from attr_engine.metrics._checks import check_images
 from attr_engine.metrics._maps import Explain, call_explainer, prepare_maps
 from kernels._validate import check_int_at_least, check_positive, check_tensor
@@ -25,26 +26,9 @@ def resolve_explainer_target(explain: Explain, x: torch.Tensor, target: int | to
     """(B,) int64 targets; ``None`` takes the class ``explain.classifier`` predicts for ``x``.
 
     Metrics that explain perturbed inputs need the class fixed up front: the prediction on a noisy copy may differ.
+    The package's one resolver (:func:`~attr_engine.classifier.resolve_targets`) does the work.
     """
-    batch = x.shape[0]
-    if target is None:
-        classifier = getattr(explain, "classifier", None)
-        if classifier is None:
-            raise ValueError("target=None needs an explainer with a .classifier attribute; pass target explicitly")
-        with torch.no_grad():
-            return classifier(x).argmax(dim=1)
-    if isinstance(target, bool) or (isinstance(target, torch.Tensor) and target.dtype == torch.bool):
-        raise ValueError("target must be integer class indices, got booleans")
-    t = torch.as_tensor(target, device=x.device)
-    if t.is_floating_point() or t.is_complex():
-        raise ValueError(f"target must hold integer class indices, got dtype {t.dtype}")
-    if t.ndim == 0:
-        t = t.expand(batch)
-    if tuple(t.shape) != (batch,):
-        raise ValueError(f"target must be an int or a ({batch},) tensor, got shape {tuple(t.shape)}")
-    if bool((t < 0).any()):
-        raise ValueError(f"target must be non-negative class indices, got {t.tolist()}")
-    return t.long()
+    return resolve_targets(getattr(explain, "classifier", None), x, target)
 
 
 def max_sensitivity(

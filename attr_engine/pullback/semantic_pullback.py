@@ -8,6 +8,9 @@
 Everything happens in the [0, 1] image space a :class:`~attr_engine.classifier.Classifier` takes (it normalises
 inside), so the attribution is in pixel units and clipping to the valid range means clipping to [0, 1].
 
+Both are :class:`~attr_engine.explainer.Explainer` options of one class, :class:`SemanticPullback` (registered as
+``pullback-soft`` and ``pullback-ascent``).
+
 Step size: the paper's ``alpha = 20`` is for 3 x 224 x 224 inputs in [-1, 1] units, i.e. ``alpha = 10`` in [0, 1]
 units. Each step moves the image by ``alpha`` in L2, so the root-mean-square change per pixel value is
 ``alpha / sqrt(C*H*W)``; keeping that constant across input sizes gives the default
@@ -17,20 +20,25 @@ units. Each step moves the image by ``alpha`` in L2, so the root-mean-square cha
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from attr_engine.classifier import check_device, eval_mode, input_dtype, resolve_targets
+from attr_engine.explainer import Explainer, register_explainer
 from attr_engine.pullback.soft_adjoint import soft_adjoint
-from kernels._validate import check_int_at_least, check_positive, check_tensor
+from kernels._validate import check_int_at_least, check_positive
 
-__all__ = ["PullbackConfig", "SemanticPullback", "default_alpha"]
+__all__ = ["PULLBACK_RANKING_SOURCE", "PullbackConfig", "SemanticPullback", "default_alpha"]
 
 _METHODS = ("ascent", "soft")
-_REDUCTIONS = ("mean", "sum", "abs", "norm", None)
+# Where the pullback's pixel-ranking reduction comes from (see SemanticPullback).
+PULLBACK_RANKING_SOURCE = (
+    "314-Foundation/SemanticPullbacks lib/evaluator.py hands the full (B, C, H, W) pullback to Quantus 0.6.0; its "
+    "MonotonicityCorrelation ranks absolute values (abs=True), its FaithfulnessEstimate the signed per-channel values"
+)
 # The paper's step for 3 x 224 x 224 inputs, converted from [-1, 1] to [0, 1] pixel units (half the range).
 _ALPHA_224 = 10.0
 _NUMEL_224 = 3 * 224 * 224
@@ -87,8 +95,27 @@ class PullbackConfig:
         return {k: v for k, v in asdict(self).items() if k in keys}
 
 
-class SemanticPullback:
+class SemanticPullback(Explainer):
     """Soft Pullback and Pullback Ascent attributions of a classifier taking [0, 1] images.
+
+    An :class:`~attr_engine.explainer.Explainer`: ``attribute(inputs, target=None, baselines=None, **options)`` with
+    the options
+
+    - ``method``: ``"ascent"`` (PA: ``x_K - x_0``, the default) or ``"soft"`` (SfP: one soft pullback of the target
+      logit);
+    - ``steps``: ascent steps K (None: ``config.steps``, default 5; ignored by ``"soft"``);
+    - ``alpha``: ascent step length (None: ``config.alpha``, and if that is None :func:`default_alpha`);
+
+    and ``reduce``: over channels ``"mean"`` (the default, what the paper displays), ``"sum"``, ``"abs"`` (mean of
+    absolute values), ``"norm"`` (L2), ... (see :func:`~attr_engine.explainer.reduce_channels`), or None for the
+    signed per-channel attribution (B, C, H, W) - what the official evaluation hands to Quantus, and what
+    infidelity scores. Pixel-ranking metrics rank by ``ranking_reduce = "abs"`` (see
+    :data:`PULLBACK_RANKING_SOURCE`); ``reduce="input"`` gives ``sum_c pullback_c * (x_c - reference_c)`` with the
+    reference from ``baselines`` (default the classifier's mean colour).
+
+    Images ``(B, C, H, W)`` of any channel count and floating dtype are accepted: the classifier runs in its own
+    dtype and the result comes back in the caller's. Works inside ``torch.no_grad()`` (gradients are re-enabled
+    internally); the result never requires grad; inside ``torch.inference_mode()`` it raises a RuntimeError.
 
     Args:
         classifier: maps ``(B, C, H, W)`` images in [0, 1] to ``(B, K)`` logits, e.g. a
@@ -96,87 +123,58 @@ class SemanticPullback:
             gradient; a model in training mode runs each call in eval mode (BatchNorm affine, no dropout) and gets
             its own modes back, so its state dict is bit-identical after any attribution.
         config: :class:`PullbackConfig`; None uses the paper's defaults.
+        options: defaults of the per-call options above (``method``, ``steps``, ``alpha``).
 
     Example:
         >>> sp = SemanticPullback(load_classifier("resnet18", num_classes=10))  # doctest: +SKIP
         >>> maps = sp.attribute(images)  # (B, H, W): channel mean of x_5 - x_0  # doctest: +SKIP
+        >>> sfp = sp.attribute(images, target, method="soft", reduce=None)  # (B, C, H, W)  # doctest: +SKIP
     """
 
-    def __init__(self, classifier: nn.Module, config: PullbackConfig | None = None) -> None:
-        if not isinstance(classifier, nn.Module):
-            raise ValueError(f"classifier must be a torch.nn.Module, got {type(classifier).__name__}")
+    options: ClassVar[Mapping[str, Any]] = {"method": "ascent", "steps": None, "alpha": None}
+    per_channel = True
+    display_reduce = "mean"
+    ranking_reduce = "abs"
+    ranking_source = PULLBACK_RANKING_SOURCE
+    infidelity_per_channel = True
+    extra_rankings = ("input", "mean")
+    channels = None  # any channel count: the pullback is defined for any input
+    output_dtype: torch.dtype | None = None  # the caller's dtype back (float32 when built by name)
+    checks_target_range = False  # checked against the logits of the first pullback (no extra host sync)
+
+    def __init__(self, classifier: nn.Module, config: PullbackConfig | None = None, **options: Any) -> None:
         if config is not None and not isinstance(config, PullbackConfig):
             raise ValueError(f"config must be a PullbackConfig, got {type(config).__name__}")
-        self.classifier = classifier
         self.config = config or PullbackConfig()
+        super().__init__(classifier, **options)
 
-    def attribute(
-        self,
-        x: torch.Tensor,
-        target: int | Sequence[int] | torch.Tensor | None = None,
-        *,
-        method: str = "ascent",
-        steps: int | None = None,
-        alpha: float | None = None,
-        reduce: str | None = "mean",
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        """``pullback-ascent`` or ``pullback-soft``: the registry name of the default method."""
+        defaults = self.__dict__.get("defaults")
+        return f"pullback-{defaults['method']}" if defaults else "pullback"
+
+    def _check_options(self, options: dict[str, Any]) -> None:
+        if options["method"] not in _METHODS:
+            raise ValueError(f"method must be one of {_METHODS}, got {options['method']!r}")
+        if options["steps"] is not None:
+            check_int_at_least(options["steps"], "steps", 1)
+        if options["alpha"] is not None:
+            options["alpha"] = check_positive(options["alpha"], "alpha")
+
+    def _attribute(
+        self, x: torch.Tensor, target: torch.Tensor, *, method: str, steps: int | None, alpha: float | None
     ) -> torch.Tensor:
-        """Attribution maps for ``x`` and the ``target`` logits.
-
-        Args:
-            x: ``(B, C, H, W)`` finite images in [0, 1].
-            target: class index per image: an int (all images), a sequence / ``(B,)`` integer tensor, or None for
-                the class each image is predicted as.
-            method: ``"ascent"`` (PA: ``x_K - x_0``) or ``"soft"`` (SfP: one soft pullback of the target logit).
-            steps: ascent steps K; None takes ``config.steps`` (default 5). Ignored by ``"soft"``.
-            alpha: ascent step length; None takes ``config.alpha``, and if that is None :func:`default_alpha`.
-            reduce: over channels: ``"mean"`` (what the paper displays), ``"sum"``, ``"abs"`` (mean of absolute
-                values), ``"norm"`` (L2), or None for the signed per-channel attribution.
-
-        Returns:
-            ``(B, H, W)``, or ``(B, C, H, W)`` when ``reduce`` is None; ``x``'s dtype and device (any floating
-            dtype: the classifier runs in its own, the map is cast back). Works inside
-            ``torch.no_grad()`` (gradients are re-enabled internally); the result never requires grad.
-
-        Raises:
-            RuntimeError: inside ``torch.inference_mode()``, where no gradient can be computed.
-            ValueError: bad ``x`` (rank, dtype, NaN / inf), ``target`` (type, length, range), ``method``,
-                ``steps``, ``alpha`` or ``reduce``.
-        """
-        if torch.is_inference_mode_enabled():
-            raise RuntimeError(
-                "SemanticPullback.attribute needs autograd and cannot run inside torch.inference_mode(); "
-                "call it outside (torch.no_grad() is fine)"
-            )
-        check_device(x, self.classifier)
-        check_tensor(x, "x", ndim=4, finite=True)
-        if method not in _METHODS:
-            raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
-        if reduce not in _REDUCTIONS:
-            raise ValueError(f"reduce must be one of {_REDUCTIONS}, got {reduce!r}")
-        steps = check_int_at_least(self.config.steps if steps is None else steps, "steps", 1)
+        """(B, C, H, W) signed attribution for images x (in the classifier's dtype) and targets (B,)."""
+        steps = self.config.steps if steps is None else steps
         if alpha is None:
             alpha = self.config.alpha if self.config.alpha is not None else default_alpha(x.shape[1:].numel())
-        alpha = check_positive(alpha, "alpha")
-        if x.shape[0] == 0:  # an empty batch: an empty result of the documented shape (the target still checked)
-            if target is not None:
-                resolve_targets(self.classifier, x, target, check_range=False)  # no entries: no range to check
-            empty = x.new_zeros(x.shape)
-            return empty if reduce is None else empty[:, 0]
-
-        # A clone outside inference mode turns an inference tensor into one autograd can use; the images are cast
-        # to the classifier's dtype (the map comes back in the caller's).
-        model_dtype = input_dtype(self.classifier) or x.dtype
-        x0 = x.detach().to(model_dtype).clone()
-        # Eval mode for the call (BatchNorm affine, no dropout), the caller's modes restored afterwards.
-        with torch.enable_grad(), eval_mode(self.classifier):
-            # The class range is checked against the logits in _soft_pullback.
-            target_idx = resolve_targets(self.classifier, x0, target, check_range=False)
-            with soft_adjoint(self.classifier, **self.config.soft_adjoint_kwargs()):
-                if method == "soft":
-                    attribution = self._soft_pullback(x0, target_idx)
-                else:
-                    attribution = self._ascent(x0, target_idx, steps, alpha)
-        return _reduce_channels(attribution, reduce).to(x.dtype)
+        # A clone outside inference mode turns an inference tensor into one autograd can use.
+        x0 = x.detach().clone()
+        with torch.enable_grad(), soft_adjoint(self.classifier, **self.config.soft_adjoint_kwargs()):
+            if method == "soft":
+                return self._soft_pullback(x0, target)
+            return self._ascent(x0, target, steps, alpha)
 
     def _soft_pullback(self, x: torch.Tensor, target: torch.Tensor, *, check: bool = True) -> torch.Tensor:
         """Gradient of the target logits at ``x`` under the (already open) soft adjoint: ``(B, C, H, W)``.
@@ -208,13 +206,21 @@ class SemanticPullback:
         return xt - x0
 
 
-def _reduce_channels(a: torch.Tensor, reduce: str | None) -> torch.Tensor:
-    if reduce is None:
-        return a
-    if reduce == "mean":
-        return a.mean(dim=1)
-    if reduce == "sum":
-        return a.sum(dim=1)
-    if reduce == "abs":
-        return a.abs().mean(dim=1)
-    return a.norm(dim=1)
+def _registered(classifier: nn.Module, method: str, **options: Any) -> SemanticPullback:
+    """The registry's pullbacks: float32 maps like every method built by name (:func:`get_explainer`), where a
+    directly constructed SemanticPullback gives the caller's dtype back."""
+    explainer = SemanticPullback(classifier, method=method, **options)
+    explainer.output_dtype = torch.float32
+    return explainer
+
+
+register_explainer(
+    "pullback-soft",
+    lambda classifier, **kw: _registered(classifier, "soft", **kw),
+    description="Soft Pullback (SfP)",
+)
+register_explainer(
+    "pullback-ascent",
+    lambda classifier, **kw: _registered(classifier, "ascent", **kw),
+    description="Pullback Ascent (PA)",
+)

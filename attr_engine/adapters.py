@@ -1,4 +1,4 @@
-"""Adapters that let Quantus and Captum call any :class:`~attr_engine.baselines.Explainer`.
+"""Adapters that let Quantus and Captum call any :class:`~attr_engine.explainer.Explainer`.
 
 - :func:`quantus_explain_func` gives Quantus' ``explain_func(model, inputs, targets, **kwargs) -> np.ndarray``; it
   explains with the *model Quantus passes in* (so MPRT's randomised copies change the maps) and honours
@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from attr_engine.baselines.base import _KEEP, Explainer, reduce_channels
 from attr_engine.classifier import Classifier
+from attr_engine.explainer import _KEEP, Explainer, get_explainer, reduce_channels
 
 __all__ = ["CaptumAdapter", "as_classifier", "quantus_explain_func"]
 
@@ -61,7 +61,7 @@ def quantus_explain_func(method: Explainer | str, **options: Any) -> Any:
     Example:
         >>> import quantus, torch
         >>> from attr_engine import Classifier, quantus_explain_func
-        >>> from attr_engine.baselines import get_explainer
+        >>> from attr_engine import get_explainer
         >>> from torch import nn
         >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3))
         >>> clf = Classifier(net, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), input_size=(3, 8, 8))
@@ -82,8 +82,6 @@ def quantus_explain_func(method: Explainer | str, **options: Any) -> Any:
     defaults = {} if explainer is None else dict(options)
 
     def explain_func(model: Any = None, inputs: Any = None, targets: Any = None, **kwargs: Any) -> np.ndarray:
-        from attr_engine.baselines import get_explainer
-
         kwargs.pop("device", None)  # Quantus adds it; the model's own device is the one that works
         if model is None:
             if explainer is None:
@@ -126,7 +124,7 @@ class CaptumAdapter:
         >>> import torch
         >>> from captum.metrics import infidelity, sensitivity_max
         >>> from attr_engine import Classifier
-        >>> from attr_engine.baselines import CaptumAdapter, get_explainer
+        >>> from attr_engine import CaptumAdapter, get_explainer
         >>> from torch import nn
         >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3))
         >>> clf = Classifier(net, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), input_size=(3, 8, 8))

@@ -1,11 +1,28 @@
-"""The call shape every attribution method shares, Captum's: ``explainer.attribute(inputs, target=None,
-baselines=None, **options) -> (B, H, W)``."""
+"""The one protocol every attribution method follows, and the registry of methods by name.
+
+Every method - AHA, the Semantic Pullback, each baseline and any plugin - is an :class:`Explainer` called the way
+Captum's methods are: ``explainer.attribute(inputs, target=None, baselines=None, **options) -> (B, H, W)``. The base
+class does the work every method shares, once: it checks the images, merges and checks the options, resolves the
+targets (:func:`~attr_engine.classifier.resolve_targets`, the one resolver of the package), puts the model in eval
+mode, sets the grad mode and then calls the method's core, ``_attribute``.
+
+The registry sits beside it: :func:`get_explainer` builds a method by name, :func:`list_explainers` lists the names
+and :func:`register_explainer` adds one. The built-in methods register themselves when their package is imported
+(``attr_engine.baselines``, ``attr_engine.aha``, ``attr_engine.pullback``); the registry imports those packages the
+first time it is asked, so this module imports none of them and nothing imports in a circle. Third-party methods
+come in through the entry-point group ``attr_engine.explainers`` (:data:`ENTRY_POINT_GROUP`), read lazily: an
+entry point is loaded only when its name is asked for (or when a classifier filters the list).
+"""
 
 from __future__ import annotations
 
 import copy
+import importlib
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, ClassVar
 
 import torch
@@ -16,29 +33,22 @@ from attr_engine.imageops import REFERENCES, reference_image, scaled_blur
 from kernels._validate import check_tensor
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "REDUCTIONS",
     "Explainer",
+    "ExplainerSpec",
     "FunctionExplainer",
-    "import_captum",
+    "get_explainer",
+    "list_explainers",
     "reduce_channels",
+    "register_explainer",
+    "register_explainer_family",
     "resolve_baselines",
     "resolve_targets",
 ]
 
-
-def import_captum() -> Any:
-    """``captum.attr``, or a clear error: Captum is an evaluation extra, not a core dependency."""
-    try:
-        import captum.attr
-    except ImportError as err:  # pragma: no cover - exercised only without the extra installed
-        raise ImportError(
-            "this baseline runs through Captum, which is not installed; pip install 'attr-engine[eval]'"
-        ) from err
-    return captum.attr
-
-
 # Channel reductions of a per-channel (B, C, H, W) attribution to one value per pixel (B, H, W).
-REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "abs", "abs-sum", "input")
+REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "abs", "abs-sum", "norm", "input")
 _KEEP: Any = object()  # "no reduce argument given": the method's own display reduction
 
 
@@ -50,8 +60,9 @@ def reduce_channels(
     Args:
         attr: (B, C, H, W) attribution.
         reduce: ``"mean"`` / ``"sum"`` over channels, ``"max"`` (max over channels), ``"abs"`` (mean of absolute
-            values), ``"abs-sum"`` (sum of absolute values), or ``"input"``: ``sum_c attr_c * (x_c - reference_c)``
-            (a first-order estimate of what moving the pixel to the reference changes).
+            values), ``"abs-sum"`` (sum of absolute values), ``"norm"`` (L2 norm over channels), or ``"input"``:
+            ``sum_c attr_c * (x_c - reference_c)`` (a first-order estimate of what moving the pixel to the
+            reference changes).
         x, reference: (B, C, H, W) images and a reference (tensor broadcastable to ``x`` or a number), for
             ``"input"`` only.
 
@@ -68,6 +79,8 @@ def reduce_channels(
         return attr.abs().mean(dim=1)
     if reduce == "abs-sum":
         return attr.abs().sum(dim=1)
+    if reduce == "norm":
+        return attr.norm(dim=1)
     if reduce == "input":
         if x is None or reference is None:
             raise ValueError("reduce='input' needs the images and a reference (baselines)")
@@ -125,9 +138,10 @@ class Explainer:
 
     Class attributes a method declares:
         name: registry name of the method.
-        needs_grad: run ``_attribute`` with autograd enabled even inside ``torch.no_grad()``.
+        needs_grad: run ``_attribute`` with autograd enabled even inside ``torch.no_grad()`` (a method whose need
+            depends on its options overrides :meth:`_needs_grad` instead).
         options: per-call options and their defaults (Captum's names for the Captum-backed methods).
-        option_aliases: older names accepted for options (``{old: new}``).
+        option_aliases: other names accepted for options (``{alias: name}``).
         per_channel: ``_attribute`` returns (B, C, H, W); ``reduce=None`` hands it out unreduced.
         display_reduce: the channel reduction of the default map (how the method's authors display it).
         ranking_reduce: the reduction its authors' evaluation ranks pixels by (None: the display map), with
@@ -136,6 +150,10 @@ class Explainer:
         has_convergence_delta: ``return_convergence_delta=True`` is supported (Captum's meaning).
         infidelity_per_channel: infidelity scores the signed (B, C, H, W) attribution, not the map.
         extra_rankings: other reductions whose deletion / insertion the leaderboard reports beside the map's.
+        channels: the number of image channels accepted (None: any).
+        output_dtype: the dtype of the result (None: the dtype of the caller's images).
+        checks_target_range: the base class checks the target classes against ``classifier.num_classes``; a method
+            that checks them against the logits it computes anyway sets False (one host-device sync saved).
 
     Attributes:
         classifier: the explained classifier (metrics read ``.classifier`` to resolve targets).
@@ -156,6 +174,9 @@ class Explainer:
     has_convergence_delta = False
     infidelity_per_channel = False
     extra_rankings: tuple[str, ...] = ()
+    channels: int | None = 3
+    output_dtype: torch.dtype | None = torch.float32
+    checks_target_range = True
 
     def __init__(self, classifier: nn.Module, *, baselines: Any = None, **options: Any) -> None:
         if not isinstance(classifier, nn.Module):
@@ -183,6 +204,16 @@ class Explainer:
     def _check_options(self, options: dict[str, Any]) -> None:
         """Validate (and normalise in place) a full set of options; raise ValueError on a bad one."""
 
+    def _needs_grad(self, options: Mapping[str, Any]) -> bool:
+        """Whether a call with these (merged) options needs autograd; by default the class's ``needs_grad``."""
+        return self.needs_grad
+
+    def _cast_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """The checked images as ``_attribute`` receives them: by default in the classifier's dtype, so fp16 / bf16
+        / float64 images work with a model of another dtype instead of failing deep inside."""
+        dtype = input_dtype(self.classifier)
+        return x.to(dtype) if dtype is not None and x.dtype != dtype else x
+
     def _bind(self) -> None:
         """Set up what depends on ``self.classifier`` (layers, hooks, wrapped explainers); called by :meth:`rebind`."""
 
@@ -199,6 +230,13 @@ class Explainer:
         new.classifier = classifier
         new.defaults = dict(self.defaults)
         new._bind()
+        return new
+
+    def with_options(self, **options: Any) -> Explainer:
+        """A shallow copy of this method whose defaults are these options over the current ones (``self`` itself
+        is left alone; model state such as a trained decoder is shared, not copied)."""
+        new = copy.copy(self)
+        new.defaults = self._merge_options(self.defaults, options)
         return new
 
     @property
@@ -225,6 +263,8 @@ class Explainer:
             inputs: (B, 3, H, W) images in [0, 1], on the classifier's device, any floating dtype (cast to the
                 classifier's).
             target: class per image (int, sequence or (B,) tensor); ``None`` explains the predicted class.
+                Resolved by :func:`~attr_engine.classifier.resolve_targets`: booleans, floats, a wrong length or
+                a class out of range are a ValueError.
             baselines: the reference of methods that use one (Integrated Gradients, occlusion, DeepLift, ...,
                 and ``reduce="input"``): a number, ``"black"``, ``"mean"``, ``"blur"`` or a tensor (3, H, W),
                 (1, 3, H, W) or (B, 3, H, W). None: the construction-time value, else the method's default.
@@ -235,17 +275,27 @@ class Explainer:
             options: per-call overrides of the method's options (see ``options``).
 
         Returns:
-            (B, H, W) float32 maps (higher = more important for the target), detached, or (B, 1, H, W) with
-            ``keepdim``, or (B, C, H, W) with ``reduce=None``; (0, ...) for an empty batch. With
-            ``return_convergence_delta``, a pair (maps, (B,) delta).
+            (B, H, W) maps (higher = more important for the target), detached, float32 (or the images' dtype
+            where ``output_dtype`` is None), or (B, 1, H, W) with ``keepdim``, or (B, C, H, W) with
+            ``reduce=None``; (0, ...) for an empty batch. With ``return_convergence_delta``, a pair
+            (maps, (B,) delta).
+
+        Raises:
+            RuntimeError: a method that needs autograd called inside ``torch.inference_mode()``.
+            ValueError: bad images, target, baselines, reduction or options.
         """
         x = inputs
-        if torch.is_inference_mode_enabled() and self.needs_grad:
-            raise RuntimeError(f"{self.name} needs autograd and cannot run inside torch.inference_mode()")
+        opts = self._merge_options(self.defaults, options) if options else self.defaults
+        needs_grad = self._needs_grad(opts)
+        if torch.is_inference_mode_enabled() and needs_grad:
+            raise RuntimeError(
+                f"{self.name} needs autograd and cannot run inside torch.inference_mode(); call it outside "
+                "(torch.no_grad() is fine)"
+            )
         check_device(x, self.classifier)
         check_tensor(x, "x", ndim=4, finite=True)
-        if x.shape[1] != 3:
-            raise ValueError(f"x must be an RGB batch (B, 3, H, W), got shape {tuple(x.shape)}")
+        if self.channels is not None and x.shape[1] != self.channels:
+            raise ValueError(f"x must be (B, {self.channels}, H, W) RGB images, got shape {tuple(x.shape)}")
         if reduce is _KEEP:
             reduce = self.display_reduce
         elif not self.per_channel:
@@ -256,17 +306,16 @@ class Explainer:
             raise ValueError(f"{self.name} has no convergence delta")
         if baselines is not None and not (self.takes_baselines or reduce == "input"):
             raise ValueError(f"{self.name} takes no baselines")
-        opts = self._merge_options(self.defaults, options) if options else self.defaults
+        out_dtype = self.output_dtype or x.dtype
+        check_range = self.checks_target_range
         if x.shape[0] == 0:  # an empty batch (the tail of a filtered loader): an empty result, the target still checked
             if target is not None:
-                resolve_targets(self.classifier, x, target)
+                resolve_targets(self.classifier, x, target, check_range=check_range)
             shape = (0, *x.shape[1:]) if reduce is None and self.per_channel else (0, *x.shape[2:])
-            empty = torch.zeros(shape, dtype=torch.float32, device=x.device)
+            empty = torch.zeros(shape, dtype=out_dtype, device=x.device)
             empty = empty.unsqueeze(1) if keepdim and empty.ndim == 3 else empty
             return (empty, torch.zeros(0, device=x.device)) if return_convergence_delta else empty
-        dtype = input_dtype(self.classifier)
-        if dtype is not None and x.dtype != dtype:
-            x = x.to(dtype)  # fp16 / bf16 / float64 images and a model of another dtype: cast at the boundary
+        x = self._cast_inputs(x)
         given = baselines if baselines is not None else self.baselines
         if given is None and (self.takes_baselines or reduce == "input"):
             given = self.default_baselines if self.default_baselines is not None else "mean"
@@ -278,8 +327,8 @@ class Explainer:
             kwargs["return_convergence_delta"] = True
         # Eval mode for the call: a raw model in training mode would update BatchNorm statistics and run dropout.
         with eval_mode(self.classifier):
-            target = resolve_targets(self.classifier, x, target)
-            with torch.set_grad_enabled(self.needs_grad or torch.is_grad_enabled()):
+            target = resolve_targets(self.classifier, x, target, check_range=check_range)
+            with torch.set_grad_enabled(needs_grad or torch.is_grad_enabled()):
                 out = self._attribute(x, target, **kwargs)
         delta = None
         if return_convergence_delta:
@@ -293,7 +342,7 @@ class Explainer:
             raise RuntimeError(f"{self.name} produced maps of shape {tuple(out.shape)} for images {tuple(x.shape)}")
         if keepdim and out.ndim == 3:
             out = out.unsqueeze(1)
-        out = out.detach().float()
+        out = out.detach().to(out_dtype)
         return (out, delta.detach().float()) if delta is not None else out
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -323,3 +372,176 @@ class FunctionExplainer(Explainer):
         if not isinstance(maps, torch.Tensor):
             raise RuntimeError(f"{self.name} must return a tensor, got {type(maps).__name__}")
         return maps.mean(dim=1) if maps.ndim == 4 else maps
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The registry
+# ---------------------------------------------------------------------------------------------------------------
+
+ENTRY_POINT_GROUP = "attr_engine.explainers"
+# Packages whose import registers the built-in methods; imported on the registry's first use (see the module doc).
+_BUILTIN_PACKAGES = ("attr_engine.baselines", "attr_engine.aha", "attr_engine.pullback")
+
+
+@dataclass(frozen=True)
+class ExplainerSpec:
+    """A registry entry: ``factory(classifier, **kwargs) -> Explainer``; ``applies(model)`` says which models fit."""
+
+    name: str
+    factory: Callable[..., Explainer]
+    description: str
+    applies: Callable[[nn.Module], bool] = lambda model: True
+
+
+_REGISTRY: dict[str, ExplainerSpec] = {}
+# ``prefix:rest`` names (``captum:DeepLift``): prefix -> factory(classifier, rest, **kwargs).
+_FAMILIES: dict[str, Callable[..., Explainer]] = {}
+_ALIASES = {
+    "grad": "gradient",
+    "gxi": "gradient-x-input",
+    "input-x-gradient": "gradient-x-input",
+    "ig": "integrated-gradients",
+    "gradcam": "grad-cam",
+    "rollout": "attention-rollout",
+    "sfp": "pullback-soft",
+    "pa": "pullback-ascent",
+}
+_builtins_loaded = False
+_plugins: dict[str, metadata.EntryPoint] | None = None  # canonical name -> entry point not yet loaded
+
+
+def _canonical(name: str) -> str:
+    if not isinstance(name, str):
+        raise ValueError(f"explainer name must be a string, got {type(name).__name__}")
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    return _ALIASES.get(key, key)
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True  # first: the packages call register_explainer while they are imported
+    for package in _BUILTIN_PACKAGES:
+        importlib.import_module(package)
+
+
+def _plugin_entry_points() -> dict[str, metadata.EntryPoint]:
+    """The entry points of :data:`ENTRY_POINT_GROUP` not loaded yet, by canonical name (read once)."""
+    global _plugins
+    if _plugins is None:
+        found = {}
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            key = _canonical(ep.name)
+            if key not in _REGISTRY:  # a built-in name is not shadowed by a plugin
+                found.setdefault(key, ep)
+        _plugins = found
+    return _plugins
+
+
+def _load_plugin(key: str) -> ExplainerSpec | None:
+    """Load the plugin entry point named ``key`` (if any) and register what it names.
+
+    The entry point names either a factory (an :class:`Explainer` subclass or any ``f(classifier, **kwargs)``),
+    registered under the entry point's name, or a module that registers its methods itself when imported.
+    """
+    ep = _plugin_entry_points().pop(key, None)
+    if ep is None:
+        return None
+    try:
+        loaded = ep.load()
+    except Exception as err:  # a broken plugin must name itself, not fail later as an unknown method
+        raise ImportError(f"the explainer plugin {ep.name!r} ({ep.value}) failed to load: {err}") from err
+    if key not in _REGISTRY:
+        if not callable(loaded):
+            raise ValueError(
+                f"the explainer plugin {ep.name!r} ({ep.value}) names a {type(loaded).__name__}, not a factory "
+                "(an Explainer subclass or a function of (classifier, **options))"
+            )
+        doc = (getattr(loaded, "__doc__", None) or "").strip().splitlines()
+        applies = getattr(loaded, "applies", None)
+        register_explainer(
+            key,
+            loaded,
+            description=doc[0] if doc else f"plugin {ep.value}",
+            applies=applies if callable(applies) else None,
+        )
+    return _REGISTRY[key]
+
+
+def register_explainer(
+    name: str,
+    factory: Callable[..., Explainer],
+    *,
+    description: str = "",
+    applies: Callable[[nn.Module], bool] | None = None,
+) -> None:
+    """Add a method to the registry, so :func:`get_explainer`, ``attr-engine explain --method NAME`` and
+    ``attr-engine evaluate --methods NAME`` find it (names are case-insensitive; ``_`` and ``-`` are the same).
+
+    Args:
+        name: the method's name.
+        factory: ``factory(classifier, **kwargs) -> Explainer``, e.g. an :class:`Explainer` subclass.
+        description: one line for listings and errors.
+        applies: ``applies(model) -> bool`` for the models the method fits (default: every model).
+
+    Raises:
+        ValueError: the name is taken, or ``factory`` is not callable.
+    """
+    key = _canonical(name)
+    if not callable(factory):
+        raise ValueError(f"the factory of explainer {key!r} must be callable, got {type(factory).__name__}")
+    if key in _REGISTRY:
+        raise ValueError(f"an explainer named {key!r} is already registered")
+    _REGISTRY[key] = ExplainerSpec(key, factory, description, applies or (lambda model: True))
+
+
+def register_explainer_family(prefix: str, factory: Callable[..., Explainer]) -> None:
+    """Register names of the form ``prefix:rest`` (``captum:DeepLift``): ``factory(classifier, rest, **kwargs)``."""
+    key = prefix.strip().lower()
+    if not key or ":" in key:
+        raise ValueError(f"a family prefix must be a non-empty name without ':', got {prefix!r}")
+    if key in _FAMILIES:
+        raise ValueError(f"an explainer family {key!r} is already registered")
+    _FAMILIES[key] = factory
+
+
+def list_explainers(classifier: nn.Module | None = None) -> list[str]:
+    """Registered method names (plugins included), sorted; with ``classifier``, only those that apply to its model.
+
+    Filtering by a classifier loads the plugins (a plugin that fails to load is skipped with a warning).
+    """
+    _load_builtins()
+    if classifier is None:
+        return sorted({*_REGISTRY, *_plugin_entry_points()})
+    for key in list(_plugin_entry_points()):
+        try:
+            _load_plugin(key)
+        except (ImportError, ValueError) as err:
+            warnings.warn(str(err), stacklevel=2)
+    model = getattr(classifier, "model", classifier)
+    return sorted(name for name, spec in _REGISTRY.items() if spec.applies(model))
+
+
+def get_explainer(name: str, classifier: nn.Module, **kwargs: Any) -> Explainer:
+    """Build the explainer ``name`` for ``classifier``; ``kwargs`` go to its constructor.
+
+    Raises:
+        ValueError: an unknown name (listing the known ones), a method that does not apply to this model, or bad
+            constructor arguments (e.g. ``"aha"`` without ``aha=``).
+        ImportError: the plugin of that name failed to load.
+    """
+    _load_builtins()
+    if isinstance(name, str) and ":" in name:
+        prefix, _, rest = name.strip().partition(":")
+        family = _FAMILIES.get(prefix.strip().lower())
+        if family is not None:
+            return family(classifier, rest, **kwargs)
+    key = _canonical(name)
+    spec = _REGISTRY.get(key) or _load_plugin(key)
+    if spec is None:
+        raise ValueError(f"unknown explainer {name!r}; known: {', '.join(list_explainers())}")
+    model = getattr(classifier, "model", classifier)
+    if not spec.applies(model):
+        raise ValueError(f"explainer {key!r} does not apply to {type(model).__name__} ({spec.description})")
+    return spec.factory(classifier, **kwargs)

@@ -1,4 +1,4 @@
-"""The AHA explainer: a frozen timm feature backbone and a trained class-conditioned decoder.
+"""The AHA network: a frozen timm feature backbone and a trained class-conditioned decoder.
 
 The decoder follows the DPT idea at a size that trains on a CPU: every tapped backbone level is projected, joined
 with a learned embedding of the class to explain, and fused coarse-to-fine; the fused features are then upsampled in
