@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from attr_engine.checkpoint import load_safetensors, save_safetensors
-from kernels._validate import check_tensor
+from kernels._validate import check_int_at_least, check_tensor
 
 __all__ = [
     "Classifier",
@@ -200,8 +200,8 @@ class Classifier(nn.Module):
         if num_classes is None:
             attr = getattr(model, "num_classes", None)
             num_classes = attr if isinstance(attr, int) and attr > 0 else None
-        elif isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-            raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+        else:
+            check_int_at_least(num_classes, "num_classes", 1)
 
         self._model = model
         self._input_size: tuple[int, int, int] | None = input_size
@@ -358,8 +358,8 @@ def load_classifier(
     external = check_model_name(name)
     if pretrained and checkpoint is not None:
         raise ValueError("pass pretrained=True or checkpoint=..., not both (the checkpoint would overwrite it)")
-    if img_size is not None and (isinstance(img_size, bool) or not isinstance(img_size, int) or img_size < 1):
-        raise ValueError(f"img_size must be a positive int, got {img_size!r}")
+    if img_size is not None:
+        check_int_at_least(img_size, "img_size", 1)
 
     state: dict[str, torch.Tensor] | None = None
     mean = std = None
