@@ -217,7 +217,7 @@ def _settings(args: argparse.Namespace, method: str, options: dict[str, Any], cl
         "classifier": classifier_fingerprint(classifier),
     }
     if method == "aha":
-        from attr_engine.aha.model import WEIGHTS_FILE, checkpoint_dir
+        from attr_engine.aha.persistence import WEIGHTS_FILE, checkpoint_dir
 
         # The explainer's identity is its weights, not its path: a moved checkpoint still matches, a retrained not.
         digest = hashlib.sha256()
