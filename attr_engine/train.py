@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from attr_engine._training import collate_images_labels, warmup_cosine
 from attr_engine.classifier import Classifier, load_classifier
 
 __all__ = ["ModelConfig", "evaluate_accuracy", "small_model_config", "train_classifier"]
@@ -70,13 +71,6 @@ def small_model_config(kind: Literal["vit", "resnet"] = "vit", img_size: int = 6
             raise ValueError(f"img_size for the small ResNet must be an int >= 32, got {img_size!r}")
         return ModelConfig("resnet10t", img_size, {"channels": [32, 64, 128, 256]})
     raise ValueError(f"kind must be 'vit' or 'resnet', got {kind!r}")
-
-
-def _collate(items: list[tuple[Any, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
-    # Datasets may yield (image, label) or (image, label, mask, ...); training needs the first two only.
-    images = torch.stack([item[0] for item in items])
-    labels = torch.as_tensor([int(item[1]) for item in items], dtype=torch.long)
-    return images, labels
 
 
 def _augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -145,18 +139,8 @@ def _maybe_cache(dataset: Dataset, cache: bool | None) -> Dataset:
     size = first.numel() * first.element_size() * len(dataset)  # type: ignore[arg-type]
     if cache is None and size > _CACHE_LIMIT_BYTES:
         return dataset
-    images, labels = _collate([dataset[i] for i in range(len(dataset))])  # type: ignore[arg-type]
+    images, labels = collate_images_labels([dataset[i] for i in range(len(dataset))])  # type: ignore[arg-type]
     return TensorDataset(images, labels)
-
-
-def _cosine_with_warmup(total_steps: int, warmup_steps: int) -> Callable[[int], float]:
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
 
 
 def train_classifier(
@@ -289,11 +273,11 @@ def _fit(
         generator=loader_gen,
         drop_last=drop_last,
         num_workers=num_workers,
-        collate_fn=_collate,
+        collate_fn=collate_images_labels,
     )
     steps = epochs * len(loader)
     warmup = min(steps, max(1, round(warmup_epochs * len(loader))))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _cosine_with_warmup(steps, warmup))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, warmup))
 
     for epoch in range(epochs):
         start = time.perf_counter()
@@ -347,7 +331,7 @@ def evaluate_accuracy(
     if device is None:
         param = next(classifier.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=_collate)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_images_labels)
     correct = total = 0
     for images, labels in loader:
         if labels.min() < 0:

@@ -21,7 +21,6 @@ takes the newest complete step directory (stale temporary directories are remove
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import warnings
@@ -35,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from attr_engine._training import collate_images_labels, warmup_cosine
 from attr_engine.aha.loss import soft_auc_loss
 from attr_engine.aha.model import AHA, CHECKPOINTS_DIR, CONFIG_FILE, POINTER_KEY, WEIGHTS_FILE, step_dirs
 from attr_engine.checkpoint import fresh_dir, fsync_dir, load_state, save_json, save_state
@@ -93,7 +93,7 @@ def fit(
     decoder.train()
     optimizer = torch.optim.AdamW(decoder.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     warmup = round(cfg.warmup * total)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(total, warmup))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total, warmup))
     # Every rank draws the same step choices (grid, offset, fractions, reference): the gradient DDP averages is the
     # one a single process would get on the global batch. Only the Gumbel noise is decorrelated per rank.
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -198,16 +198,6 @@ def _draw_fractions(count: int, sampling: str, gen: torch.Generator) -> torch.Te
     return torch.cat((torch.zeros(1), inner, torch.ones(1)))
 
 
-def _warmup_cosine(total: int, warmup: int):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------------------------------------------
@@ -217,12 +207,6 @@ def _steps_per_epoch(data: Dataset | DataLoader, batch_size: int, world: int) ->
     if isinstance(data, DataLoader):
         return len(data)
     return (len(data) // world) // batch_size  # type: ignore[arg-type]
-
-
-def _collate(items: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    images = torch.stack([item[0] for item in items])
-    labels = torch.tensor([int(item[1]) for item in items], dtype=torch.long)
-    return images, labels
 
 
 def _epoch_batches(
@@ -245,7 +229,7 @@ def _epoch_batches(
     usable = (len(order) // world) // batch_size * batch_size * world
     mine = order[:usable][rank::world].tolist()
     batches = [mine[i : i + batch_size] for i in range(skip * batch_size, len(mine), batch_size)]
-    loader = DataLoader(data, batch_sampler=batches, collate_fn=_collate, num_workers=num_workers)
+    loader = DataLoader(data, batch_sampler=batches, collate_fn=collate_images_labels, num_workers=num_workers)
     yield from loader
 
 
