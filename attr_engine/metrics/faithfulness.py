@@ -35,9 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from attr_engine.classifier import Classifier
+from attr_engine.imageops import resolve_reference
 from attr_engine.metrics._checks import check_classifier, check_images, check_pixel_maps, resolve_target
 from attr_engine.metrics._maps import prepare_maps
-from attr_engine.metrics.perturbation import _resolve_reference, pixel_ranks
+from attr_engine.metrics.perturbation import pixel_ranks
 from kernels._validate import check_int_at_least, check_tensor
 
 __all__ = [
@@ -134,7 +135,7 @@ def perturbation_auc(
     counts = torch.tensor([math.floor(f * num_pixels + 0.5) for f in values], device=x.device)
 
     with torch.no_grad():
-        ref = _resolve_reference(reference, x, classifier)
+        ref = resolve_reference(reference, x, classifier.norm_mean)
         target = resolve_target(target, torch.cat([classifier.forward_trusted(c) for c in x.split(batch_size)]))
 
         def curve(ranks: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from attr_engine.classifier import Classifier
-from attr_engine.imageops import REFERENCES, gaussian_blur, reference_image, scaled_blur
+from attr_engine.imageops import gaussian_blur, resolve_reference
 from attr_engine.metrics._checks import check_classifier, check_images, check_pixel_maps, resolve_target
-from kernels._validate import check_int_at_least, check_tensor
+from kernels._validate import check_int_at_least
 
 __all__ = ["PROTOCOLS", "DeletionInsertion", "deletion_insertion", "perturbation_counts", "pixel_ranks"]
 
@@ -81,23 +81,6 @@ def perturbation_counts(num_pixels: int, steps: int) -> list[int]:
     ``num_pixels``.
     """
     return [(2 * k * num_pixels + steps) // (2 * steps) for k in range(steps + 1)]
-
-
-def _resolve_reference(reference: str | torch.Tensor, x: torch.Tensor, classifier: Classifier) -> torch.Tensor:
-    if isinstance(reference, torch.Tensor):
-        ref = check_tensor(reference, "reference", finite=True)
-        if ref.ndim == 3:
-            ref = ref.unsqueeze(0)
-        if ref.ndim != 4 or ref.shape[1:] != x.shape[1:] or ref.shape[0] not in (1, x.shape[0]):
-            raise ValueError(
-                f"reference must be (B, 3, H, W) or (3, H, W) matching x {tuple(x.shape)}, got {tuple(reference.shape)}"
-            )
-        return ref.to(device=x.device, dtype=x.dtype).expand_as(x)
-    if not isinstance(reference, str) or reference not in REFERENCES:
-        raise ValueError(f"unknown reference {reference!r}; expected one of {', '.join(REFERENCES)} or a tensor")
-    # The strong blur scales with the image side exactly as in AHA training (kernel 37, sigma 37 at 224 px).
-    kernel, sigma = scaled_blur(min(x.shape[-2:]))
-    return reference_image(x, reference, classifier.norm_mean, blur_kernel=kernel, blur_sigma=sigma)
 
 
 def _logits(classifier: Classifier, images: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -177,7 +160,7 @@ def deletion_insertion(
         raise ValueError(f"unknown protocol {protocol!r}; expected one of {', '.join(PROTOCOLS)}")
 
     with torch.no_grad():
-        ref = _resolve_reference(reference, x, classifier)
+        ref = resolve_reference(reference, x, classifier.norm_mean)
         clean_logits = _logits(classifier, x, batch_size)
         target = resolve_target(target, clean_logits)
         p_clean = _probability(clean_logits, target)
