@@ -53,6 +53,7 @@ from attr_engine.metrics import (
     pointing_game,
     random_logit,
 )
+from kernels._validate import check_int_at_least
 
 __all__ = ["DEFAULT_METRICS", "METRICS", "Leaderboard", "MetricSpec", "evaluate"]
 
@@ -348,8 +349,7 @@ def evaluate(
         raise ValueError(f"classifier must be an attr_engine Classifier, got {type(classifier).__name__}")
     if target not in ("pred", "label"):
         raise ValueError(f"target must be 'pred' or 'label', got {target!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_int_at_least(batch_size, "batch_size", 1)
     device = classifier.norm_mean.device
     x, labels, masks = _load_data(data, device)
     explainers = _resolve_methods(classifier, methods)

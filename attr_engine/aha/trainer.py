@@ -39,6 +39,7 @@ from attr_engine.aha.loss import soft_auc_loss
 from attr_engine.aha.model import AHA, CHECKPOINTS_DIR, CONFIG_FILE, POINTER_KEY, WEIGHTS_FILE, step_dirs
 from attr_engine.checkpoint import fresh_dir, fsync_dir, load_state, save_json, save_state
 from attr_engine.imageops import reference_image, scaled_blur
+from kernels._validate import check_int_at_least
 
 TRAINER_FILE = "trainer.safetensors"
 
@@ -72,12 +73,12 @@ def fit(
     Returns:
         Per-step history: ``loss``, ``deletion``, ``insertion``, ``tau``, ``lr``.
     """
-    _check_positive_int(epochs, "epochs")
-    _check_positive_int(batch_size, "batch_size")
+    check_int_at_least(epochs, "epochs", 1)
+    check_int_at_least(batch_size, "batch_size", 1)
     if max_steps is not None:
-        _check_positive_int(max_steps, "max_steps")
+        check_int_at_least(max_steps, "max_steps", 1)
     if checkpoint_every is not None:
-        _check_positive_int(checkpoint_every, "checkpoint_every")
+        check_int_at_least(checkpoint_every, "checkpoint_every", 1)
         if checkpoint_dir is None:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
     cfg = aha.config
@@ -364,8 +365,3 @@ def _read_checkpoint(aha: AHA, d: Path) -> tuple[dict[str, torch.Tensor], Any]:
     if int(meta.get("step", -1)) != loaded.steps_trained or int(state["step"]) != loaded.steps_trained:
         raise ValueError(f"{d}: trainer state (step {meta.get('step')}) and weights disagree (torn checkpoint?)")
     return loaded.decoder.state_dict(), state
-
-
-def _check_positive_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -67,7 +67,7 @@ from timm.layers.pool2d_same import MaxPool2dSame
 from timm.models.pvt_v2 import Attention as PvtAttention
 from torch import nn
 
-from kernels._validate import check_positive
+from kernels._validate import check_bool, check_positive
 from kernels.soft_adjoint import DEFAULT_POOL_TAU, DEFAULT_TAU, soft_gate, soft_maxpool2d
 
 __all__ = ["GELU_TAU", "MAXPOOL_TAU", "RELU_TAU", "SILU_TAU", "SoftAdjoint", "soft_adjoint"]
@@ -491,8 +491,7 @@ class SoftAdjoint:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         for name, flag in (("layernorm", layernorm), ("attention", attention), ("warn_unknown", warn_unknown)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be a bool, got {flag!r}")
+            check_bool(flag, name)
         self.model = model
         self.relu_tau = check_positive(relu_tau, "relu_tau")
         self.gelu_tau = check_positive(gelu_tau, "gelu_tau")
