@@ -20,6 +20,8 @@ from typing import TypeVar
 
 import torch
 
+from kernels._validate import check_int_at_least
+
 __all__ = ["local_device", "process_rank", "shard"]
 
 T = TypeVar("T")
@@ -56,9 +58,8 @@ def shard(items: Sequence[T], rank: int, world: int) -> list[T]:
     Over all ranks every item appears exactly once. Round-robin rather than contiguous blocks, so an input list
     sorted by class (ImageFolder order) spreads every class, and its cost, over all ranks.
     """
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"world must be a positive int, got {world!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+    check_int_at_least(world, "world", 1)
+    if check_int_at_least(rank, "rank", 0) >= world:
         raise ValueError(f"rank must be an int in [0, {world}), got {rank!r}")
     return list(items[rank::world])
 

@@ -2,7 +2,7 @@
 same targets, and time them.
 
     board = evaluate(classifier, {"AHA": aha_explainer, "gradient": "gradient"}, (x, labels, masks))
-    print(board.to_markdown()); board.to_csv("board.csv")
+    print(leaderboard_markdown(board)); write_leaderboard_csv(board, "board.csv")  # from attr_engine.report
 
 Metrics (name: direction, what is computed with which settings):
 
@@ -37,7 +37,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +52,7 @@ from attr_engine.metrics import (
     pointing_game,
     random_logit,
 )
+from kernels._validate import check_int_at_least
 
 __all__ = ["DEFAULT_METRICS", "METRICS", "Leaderboard", "MetricSpec", "evaluate"]
 
@@ -214,19 +214,6 @@ class Leaderboard:
         pick = min if self.directions[metric] == "lower" else max
         return pick(values, key=values.__getitem__)
 
-    def to_markdown(self, digits: int = 3) -> str:
-        """A Markdown table, the best value of each column in bold, directions in the header."""
-        from attr_engine.report import markdown_table
-
-        table = markdown_table(self.rows, self.columns, directions=self.directions, digits=digits, title=self.title)
-        return table + "".join(f"\n{note}\n" for note in self.notes)
-
-    def to_csv(self, path: str | Path) -> Path:
-        """Write the rows as CSV (one line per method); returns the path."""
-        from attr_engine.report import write_csv
-
-        return write_csv(self.rows, path, self.columns)
-
 
 def _load_data(data: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(x, labels, masks) from tensors, a dataset with ``.tensors()``, or a map-style dataset of tuples."""
@@ -361,8 +348,7 @@ def evaluate(
         raise ValueError(f"classifier must be an attr_engine Classifier, got {type(classifier).__name__}")
     if target not in ("pred", "label"):
         raise ValueError(f"target must be 'pred' or 'label', got {target!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_int_at_least(batch_size, "batch_size", 1)
     device = classifier.norm_mean.device
     x, labels, masks = _load_data(data, device)
     explainers = _resolve_methods(classifier, methods)

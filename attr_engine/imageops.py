@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from kernels._validate import check_tensor
+
 if TYPE_CHECKING:
     from PIL import Image
 
@@ -29,6 +31,7 @@ __all__ = [
     "pil_to_tensor",
     "preprocess",
     "reference_image",
+    "resolve_reference",
     "scaled_blur",
     "to_image_frame",
 ]
@@ -93,6 +96,42 @@ def scaled_blur(size: int) -> tuple[int, float]:
     """The strong-blur reference scaled to an image side: kernel 37, sigma 37 at 224 px, proportionally elsewhere."""
     kernel = max(3, round(37 * size / 224) | 1)
     return kernel, float(kernel)
+
+
+def resolve_reference(
+    reference: str | torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, *, name: str = "reference"
+) -> torch.Tensor:
+    """The reference image for each of ``x``'s images, from a name or a tensor (metrics and methods alike).
+
+    Args:
+        reference: ``"black"``, ``"mean"`` (the per-channel ``mean`` colour), ``"blur"`` (the strong blur AHA
+            trains with: :func:`scaled_blur` of the image side), or a finite float tensor (3, H, W), (1, 3, H, W)
+            or (B, 3, H, W) matching ``x``.
+        x: (B, C, H, W) images in [0, 1].
+        mean: the mean colour (C,), e.g. a classifier's ``norm_mean``; needed for ``"mean"`` only.
+        name: the argument's name in error messages.
+
+    Returns:
+        (B, C, H, W) on ``x``'s device and dtype; named references and broadcast tensors are expanded views.
+
+    Raises:
+        ValueError: an unknown name, or a tensor of the wrong shape or dtype or with NaN / inf values.
+    """
+    if isinstance(reference, torch.Tensor):
+        ref = check_tensor(reference, name, finite=True)
+        if ref.ndim == 3:
+            ref = ref.unsqueeze(0)
+        if ref.ndim != 4 or ref.shape[1:] != x.shape[1:] or ref.shape[0] not in (1, x.shape[0]):
+            # The shape only: a tensor's values are no use in an error message.
+            raise ValueError(
+                f"{name} must be (B, 3, H, W) or (3, H, W) matching x {tuple(x.shape)}, got {tuple(reference.shape)}"
+            )
+        return ref.to(device=x.device, dtype=x.dtype).expand_as(x)
+    if not isinstance(reference, str) or reference not in REFERENCES:
+        raise ValueError(f"unknown {name} {reference!r}; expected one of {', '.join(REFERENCES)} or a tensor")
+    # The strong blur scales with the image side exactly as in AHA training (kernel 37, sigma 37 at 224 px).
+    kernel, sigma = scaled_blur(min(x.shape[-2:]))
+    return reference_image(x, reference, mean, blur_kernel=kernel, blur_sigma=sigma)
 
 
 # ---------------------------------------------------------------------------------------------------------------

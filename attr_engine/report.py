@@ -1,10 +1,12 @@
 """Report writers: Markdown tables, CSV, deletion / insertion curve plots and heatmap grids.
 
 Every function takes plain data (row dicts, ``{name: tensor}`` mappings), so any caller - the leaderboard, the CLI -
-can use them; :func:`write_report` writes all four for a :class:`~attr_engine.evaluate.Leaderboard`.
+can use them; :func:`write_report` writes all four for a :class:`~attr_engine.evaluate.Leaderboard`. The leaderboard
+itself is data only: its presentation lives here, so this module depends on ``evaluate`` and never the reverse.
 
 - :func:`markdown_table` (rows -> str), :func:`write_markdown` (-> file)
 - :func:`write_csv` (rows -> file)
+- :func:`leaderboard_markdown` (leaderboard -> str), :func:`write_leaderboard_csv` (leaderboard -> file)
 - :func:`plot_curves` (``{method: {"fractions", "deletion", "insertion"}}`` -> PNG)
 - :func:`plot_heatmaps` (images + ``{method: maps}`` -> PNG grid)
 - :func:`write_report` (leaderboard -> ``<stem>.md``, ``<stem>.csv``, ``<stem>_curves.png``, ``<stem>_maps.png``)
@@ -27,7 +29,16 @@ import torch
 if TYPE_CHECKING:
     from attr_engine.evaluate import Leaderboard
 
-__all__ = ["markdown_table", "plot_curves", "plot_heatmaps", "write_csv", "write_markdown", "write_report"]
+__all__ = [
+    "leaderboard_markdown",
+    "markdown_table",
+    "plot_curves",
+    "plot_heatmaps",
+    "write_csv",
+    "write_leaderboard_csv",
+    "write_markdown",
+    "write_report",
+]
 
 _ARROWS = {"lower": "↓", "higher": "↑"}
 
@@ -118,6 +129,18 @@ def write_csv(
     return path
 
 
+def leaderboard_markdown(board: Leaderboard, digits: int = 3) -> str:
+    """A leaderboard as a Markdown table (best value of each column in bold, directions in the header), its title
+    above and its notes below."""
+    table = markdown_table(board.rows, board.columns, directions=board.directions, digits=digits, title=board.title)
+    return table + "".join(f"\n{note}\n" for note in board.notes)
+
+
+def write_leaderboard_csv(board: Leaderboard, path: str | os.PathLike[str]) -> Path:
+    """Write a leaderboard's rows as CSV (one line per row, its columns in order); returns the path."""
+    return write_csv(board.rows, path, board.columns)
+
+
 def _figure(width: float, height: float) -> Any:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -178,8 +201,8 @@ def write_report(board: Leaderboard, out_dir: str | os.PathLike[str], *, stem: s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = {
-        "markdown": write_markdown(board.to_markdown(), out / f"{stem}.md"),
-        "csv": board.to_csv(out / f"{stem}.csv"),
+        "markdown": write_markdown(leaderboard_markdown(board), out / f"{stem}.md"),
+        "csv": write_leaderboard_csv(board, out / f"{stem}.csv"),
     }
     if board.curves:
         written["curves"] = plot_curves(board.curves, out / f"{stem}_curves.png", title=board.title)

@@ -7,7 +7,6 @@ ViT or a narrow ResNet-10 on :class:`~attr_engine.data.ShapesDataset`, trained o
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from attr_engine._training import collate_images_labels, warmup_cosine
 from attr_engine.classifier import Classifier, load_classifier
+from kernels._validate import check_int_at_least, check_positive
 
 __all__ = ["ModelConfig", "evaluate_accuracy", "small_model_config", "train_classifier"]
 
@@ -37,8 +38,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name must be a timm model name, got {self.name!r}")
-        if isinstance(self.img_size, bool) or not isinstance(self.img_size, int) or self.img_size < 1:
-            raise ValueError(f"img_size must be a positive int, got {self.img_size!r}")
+        check_int_at_least(self.img_size, "img_size", 1)
 
     def build(self, num_classes: int, *, pretrained: bool = False) -> Classifier:
         """A (frozen, untrained unless ``pretrained``) :class:`Classifier` with this architecture."""
@@ -61,22 +61,14 @@ def small_model_config(kind: Literal["vit", "resnet"] = "vit", img_size: int = 6
         img_size: square input side; for ``"vit"`` a multiple of 8 and at least 32.
     """
     if kind == "vit":
-        if isinstance(img_size, bool) or not isinstance(img_size, int) or img_size < 32 or img_size % 8:
+        if check_int_at_least(img_size, "img_size", 32) % 8:
             raise ValueError(f"img_size for the small ViT must be a multiple of 8 and >= 32, got {img_size!r}")
         kwargs = {"patch_size": img_size // 8, "depth": 4, "embed_dim": 96, "num_heads": 3}
         return ModelConfig("vit_tiny_patch16_224", img_size, kwargs)
     if kind == "resnet":
-        if isinstance(img_size, bool) or not isinstance(img_size, int) or img_size < 32:
-            raise ValueError(f"img_size for the small ResNet must be an int >= 32, got {img_size!r}")
+        check_int_at_least(img_size, "img_size", 32)
         return ModelConfig("resnet10t", img_size, {"channels": [32, 64, 128, 256]})
     raise ValueError(f"kind must be 'vit' or 'resnet', got {kind!r}")
-
-
-def _collate(items: list[tuple[Any, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
-    # Datasets may yield (image, label) or (image, label, mask, ...); training needs the first two only.
-    images = torch.stack([item[0] for item in items])
-    labels = torch.as_tensor([int(item[1]) for item in items], dtype=torch.long)
-    return images, labels
 
 
 def _augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -101,12 +93,11 @@ def _augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 def _resolve_num_classes(dataset: Dataset, num_classes: int | None) -> int:
     if num_classes is None:
         num_classes = getattr(dataset, "num_classes", None) or len(getattr(dataset, "class_names", ()) or ())
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
+    if num_classes is None or num_classes == 0:
         raise ValueError(
-            "cannot tell the number of classes: pass num_classes= (>= 2) or use a dataset with class_names, "
-            f"got {num_classes!r}"
+            "cannot tell the number of classes: pass num_classes= (>= 2) or use a dataset with class_names"
         )
-    return num_classes
+    return check_int_at_least(num_classes, "num_classes", 2)
 
 
 def _build_classifier(
@@ -145,18 +136,8 @@ def _maybe_cache(dataset: Dataset, cache: bool | None) -> Dataset:
     size = first.numel() * first.element_size() * len(dataset)  # type: ignore[arg-type]
     if cache is None and size > _CACHE_LIMIT_BYTES:
         return dataset
-    images, labels = _collate([dataset[i] for i in range(len(dataset))])  # type: ignore[arg-type]
+    images, labels = collate_images_labels([dataset[i] for i in range(len(dataset))])  # type: ignore[arg-type]
     return TensorDataset(images, labels)
-
-
-def _cosine_with_warmup(total_steps: int, warmup_steps: int) -> Callable[[int], float]:
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
 
 
 def train_classifier(
@@ -210,11 +191,10 @@ def train_classifier(
     Returns:
         The trained model as a frozen :class:`Classifier` (eval mode, no parameter gradients).
     """
-    for name, value in (("epochs", epochs), ("batch_size", batch_size), ("num_workers", num_workers + 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if not (lr > 0 and math.isfinite(lr)):
-        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
+    check_int_at_least(epochs, "epochs", 1)
+    check_int_at_least(batch_size, "batch_size", 1)
+    check_int_at_least(num_workers, "num_workers", 0)
+    check_positive(lr, "lr")
     if len(dataset) == 0:  # type: ignore[arg-type]
         raise ValueError("dataset is empty")
     device = torch.device(device)
@@ -289,11 +269,11 @@ def _fit(
         generator=loader_gen,
         drop_last=drop_last,
         num_workers=num_workers,
-        collate_fn=_collate,
+        collate_fn=collate_images_labels,
     )
     steps = epochs * len(loader)
     warmup = min(steps, max(1, round(warmup_epochs * len(loader))))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _cosine_with_warmup(steps, warmup))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, warmup))
 
     for epoch in range(epochs):
         start = time.perf_counter()
@@ -347,7 +327,7 @@ def evaluate_accuracy(
     if device is None:
         param = next(classifier.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=_collate)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_images_labels)
     correct = total = 0
     for images, labels in loader:
         if labels.min() < 0:

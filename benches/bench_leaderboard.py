@@ -29,7 +29,7 @@ from attr_engine.aha import AHA, AHAConfig
 from attr_engine.data.shapes import ShapesDataset
 from attr_engine.evaluate import Leaderboard, evaluate
 from attr_engine.explainer import Explainer, get_explainer, list_explainers
-from attr_engine.report import write_markdown, write_report
+from attr_engine.report import leaderboard_markdown, write_markdown, write_report
 from attr_engine.train import evaluate_accuracy, small_model_config, train_classifier
 
 IMG = 64
@@ -154,7 +154,7 @@ def run(kinds: list[str], *, quick: bool, out: Path, seed: int = 0, batch_size: 
         boards[kind] = board
         for path in write_report(board, out, stem=f"leaderboard_{kind}").values():
             print(f"[{kind}] wrote {path}")
-        notes.append(board.to_markdown())
+        notes.append(leaderboard_markdown(board))
     summary = "\n".join(
         [
             f"# Leaderboard ({'quick' if quick else 'full'} run, seed {seed})\n",

@@ -40,18 +40,50 @@ def check_same(ref: torch.Tensor, ref_name: str, other: torch.Tensor, other_name
         raise ValueError(f"{other_name} has dtype {other.dtype} but {ref_name} has dtype {ref.dtype}")
 
 
+def _real(value: object, name: str, what: str) -> float:
+    # bool is an int and str converts with float(): both would pass for numbers without a word, so both are refused.
+    if isinstance(value, bool | str | bytes):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be {what}, got {value!r}") from None
+
+
 def check_positive(value: float, name: str) -> float:
-    """Check a strictly positive, finite real (temperatures, scales)."""
-    v = float(value)
+    """Check a strictly positive, finite real (temperatures, scales); returns it as a float."""
+    v = _real(value, name, "a positive finite number")
     if not (v > 0.0 and v < float("inf")):
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return v
+
+
+def check_non_negative(value: float, name: str) -> float:
+    """Check a finite real >= 0 (weights, decays, noise scales); returns it as a float."""
+    v = _real(value, name, "a finite number >= 0")
+    if not (v >= 0.0 and v < float("inf")):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return v
+
+
+def check_int(value: int, name: str) -> int:
+    """Check an integer of any sign (seeds, layer indices); bools are refused."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
 
 
 def check_int_at_least(value: int, name: str, minimum: int) -> int:
     """Check an integer count such as ``n_iters`` or a grid size."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def check_bool(value: bool, name: str) -> bool:
+    """Check a flag: exactly True or False (not 0 / 1, not a string)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
     return value
 
 

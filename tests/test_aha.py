@@ -65,6 +65,50 @@ def test_config_rejects_bad_values(field, value, message):
         AHAConfig(**{field: value})
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("lr", math.inf),
+        ("lr", True),
+        ("lr", math.nan),
+        ("lr", -1e-3),
+        ("lr", "3e-4"),
+        ("refine_lr", 0.0),
+        ("weight_decay", -0.1),
+        ("noise", math.nan),
+        ("grad_clip", math.inf),
+        ("warmup", True),
+        ("tau_end", None),
+        ("decoder_dim", True),
+        ("n_iters", 2.0),
+        ("seed", 1.5),
+        ("amp", 1),
+        ("random_offset", "yes"),
+        ("backbone", ""),
+        ("layers", (1.5, 2)),
+        ("grid_range", (2, 6, 8)),
+        ("references", "mean"),
+    ],
+)
+def test_config_rejects_bad_types_and_non_finite_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        AHAConfig(**{field: value})
+
+
+def test_config_is_frozen_and_replace_validates_again():
+    import dataclasses
+
+    cfg = AHAConfig(lr=1, layers=[0, -1], grid_range=[2, 6])
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float)  # normalised, as PullbackConfig does
+    assert cfg.layers == (0, -1) and cfg.grid_range == (2, 6)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lr = 1e-3  # type: ignore[misc]
+    assert dataclasses.replace(cfg, lr=1e-3).lr == 1e-3 and cfg.lr == 1.0
+    with pytest.raises(ValueError, match="lr"):
+        dataclasses.replace(cfg, lr=math.inf)
+    assert hash(cfg) == hash(AHAConfig(lr=1.0, layers=(0, -1), grid_range=(2, 6)))
+
+
 def test_config_scales_with_image_size():
     assert AHAConfig().resolved(224).grid_range == (7, 28)
     assert AHAConfig().resolved(224).peak_kernel == 15

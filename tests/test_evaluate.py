@@ -12,7 +12,7 @@ from attr_engine.baselines import Gradient, GradientXInput
 from attr_engine.data import ShapesDataset
 from attr_engine.evaluate import DEFAULT_METRICS, METRICS, evaluate
 from attr_engine.metrics import deletion_insertion, infidelity, max_sensitivity, pointing_game, random_logit
-from attr_engine.report import markdown_table, write_report
+from attr_engine.report import leaderboard_markdown, markdown_table, write_leaderboard_csv, write_report
 from tests.eval_helpers import single_thread, tiny_resnet
 
 FAST = {
@@ -74,9 +74,9 @@ def test_best_markdown_and_csv(setting, tmp_path) -> None:
     assert board.best("deletion") == min(dele, key=dele.get)
     ins = board.column("insertion")
     assert board.best("insertion") == max(ins, key=ins.get)
-    text = board.to_markdown()
+    text = leaderboard_markdown(board)
     assert "| method | ranked by | deletion ↓ | insertion ↑ |" in text and text.count("**") >= 2
-    path = board.to_csv(tmp_path / "board.csv")
+    path = write_leaderboard_csv(board, tmp_path / "board.csv")
     with path.open() as f:
         rows = list(csv.DictReader(f))
     assert [r["method"] for r in rows] == ["grad", "gxi"]
@@ -90,7 +90,7 @@ def test_write_report_writes_table_and_figures(setting, tmp_path) -> None:
     for path in paths.values():
         assert path.exists() and path.stat().st_size > 100
     assert paths["curves"].read_bytes()[:4] == b"\x89PNG"
-    assert paths["markdown"].read_text() == board.to_markdown()
+    assert paths["markdown"].read_text() == leaderboard_markdown(board)
 
 
 def test_markdown_table_bolds_the_best_by_direction() -> None:
@@ -143,5 +143,5 @@ def test_each_method_is_scored_with_its_declared_reductions() -> None:
     di = deletion_insertion(clf, x, full.mean(1), y, protocol="aha")
     assert rows["SfP [signed mean]"]["deletion"] == pytest.approx(di.deletion.mean().item(), rel=1e-5)
     assert "infidelity" not in rows["SfP [signed mean]"] and set(board.column("infidelity")) == {"SfP"}
-    text = board.to_markdown()
+    text = leaderboard_markdown(board)
     assert "SemanticPullbacks lib/evaluator.py" in text and "signed per-channel" in text

@@ -15,7 +15,7 @@ import quantus
 import torch
 from captum.metrics import infidelity as captum_infidelity
 
-from attr_engine.metrics import deletion_insertion
+from attr_engine.metrics import deletion_insertion, pixel_ranks
 from attr_engine.metrics.faithfulness import (
     infidelity,
     infidelity_from_perturbations,
@@ -201,6 +201,41 @@ def test_pos_neg_equal_aha_deletion_and_insertion_on_the_same_fractions(case) ->
     di = deletion_insertion(clf, x, maps, y, steps=20, protocol="aha")
     torch.testing.assert_close(pn.positive, di.deletion)
     torch.testing.assert_close(pn.negative, di.insertion)
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 256])
+def test_pos_neg_and_deletion_insertion_share_one_curve_engine(case, batch_size) -> None:
+    # The two metrics once had their own curve loops; on the same fractions their curves are now the same numbers.
+    clf, x, maps, y = case
+    pn = perturbation_auc(clf, x, maps, y, fractions=[k / 20 for k in range(21)], batch_size=batch_size)
+    di = deletion_insertion(clf, x, maps, y, steps=20, protocol="aha", batch_size=batch_size)
+    # Interior points come from the same chunked loop; the endpoints from a whole-batch call in deletion_insertion.
+    torch.testing.assert_close(pn.positive_curve[:, 1:-1], di.deletion_curve[:, 1:-1], rtol=0, atol=0)
+    torch.testing.assert_close(pn.negative_curve[:, 1:-1], di.insertion_curve[:, 1:-1], rtol=0, atol=0)
+    torch.testing.assert_close(pn.positive_curve, di.deletion_curve)
+
+
+def test_perturbation_curve_scores_the_images_it_describes(case) -> None:
+    from attr_engine.metrics._curves import perturbation_curve, target_probability
+
+    clf, x, maps, y = case
+    end = torch.rand(x.shape, generator=torch.Generator().manual_seed(4))
+    ranks = pixel_ranks(maps)
+    counts = [0, 5, 100, 256]
+    curve = perturbation_curve(clf, x, end, ranks, counts, y, batch_size=5)
+    assert curve.shape == (3, 4) and curve.dtype == torch.float32
+    with torch.no_grad():
+        for k, n in enumerate(counts):
+            mask = (ranks < n).view(3, 1, 16, 16)
+            expected = target_probability(clf(torch.where(mask, end, x)), y)
+            torch.testing.assert_close(curve[:, k], expected)
+    # Patch ids as ranks: whole patches switch at once, as infidelity's cumulative replacement needs.
+    grid = patch_grid(16, 16, 8).flatten().expand(3, -1)
+    patches = perturbation_curve(clf, x, end, grid, [1, 4], y, batch_size=2, dtype=torch.float64)
+    with torch.no_grad():
+        first = torch.where((grid < 1).view(3, 1, 16, 16), end, x)
+        torch.testing.assert_close(patches[:, 0], target_probability(clf(first), y).double())
+        torch.testing.assert_close(patches[:, 1], target_probability(clf(end), y).double())
 
 
 def test_pos_neg_defaults_accuracy_and_ordering(case) -> None:

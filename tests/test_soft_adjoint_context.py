@@ -486,3 +486,18 @@ def test_concurrent_pullbacks_on_one_classifier_leave_no_soft_forward_behind() -
     assert torch.equal(_grad(clf, x), plain)  # the plain gradient is bit-identical to before
     for steps in (2, 40):
         torch.testing.assert_close(results[steps], alone[steps], **TOL)
+
+
+def test_every_soft_adjoint_default_temperature_is_the_kernels_one() -> None:
+    from attr_engine.pullback import PullbackConfig
+    from attr_engine.pullback.soft_adjoint import SoftAdjoint
+    from kernels.soft_adjoint import DEFAULT_POOL_TAU, DEFAULT_TAU
+
+    expected = {"relu_tau": 0.6, "gelu_tau": 1.0, "silu_tau": 1.6, "maxpool_tau": 0.3}  # the paper's
+    assert {"relu_tau": DEFAULT_TAU["relu"], "gelu_tau": DEFAULT_TAU["gelu"], "silu_tau": DEFAULT_TAU["silu"],
+            "maxpool_tau": DEFAULT_POOL_TAU} == expected  # fmt: skip
+    ctx = soft_adjoint(nn.Identity())
+    config = PullbackConfig()
+    for name, value in expected.items():
+        assert getattr(ctx, name) == value and getattr(config, name) == value
+        assert getattr(SoftAdjoint(nn.Identity()), name) == value

@@ -108,3 +108,22 @@ def test_training_input_errors() -> None:
         train_classifier(config, TensorDataset(images, labels), epochs=0, num_classes=2)
     with pytest.raises(ValueError, match="empty"):
         train_classifier(config, TensorDataset(images[:0], labels[:0]), num_classes=2)
+
+
+def test_warmup_cosine_ramps_then_decays_to_zero() -> None:
+    from attr_engine._training import warmup_cosine
+
+    factor = warmup_cosine(10, 2)
+    assert [factor(s) for s in range(3)] == [0.5, 1.0, 1.0]  # linear ramp, then the cosine starts at its peak
+    assert factor(6) == pytest.approx(0.5)  # half-way through the 8 decay steps
+    assert factor(10) == pytest.approx(0.0, abs=1e-12) and factor(25) == pytest.approx(0.0, abs=1e-12)
+    assert warmup_cosine(4, 0)(0) == 1.0  # no warm-up: the decay starts at once
+
+
+def test_collate_keeps_images_and_labels_only() -> None:
+    from attr_engine._training import collate_images_labels
+
+    items = [(torch.full((3, 2, 2), float(i)), i, torch.zeros(2, 2, dtype=torch.bool)) for i in range(3)]
+    images, labels = collate_images_labels(items)
+    assert images.shape == (3, 3, 2, 2) and images[2].eq(2.0).all()
+    assert labels.dtype == torch.long and labels.tolist() == [0, 1, 2]

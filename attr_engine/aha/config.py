@@ -1,4 +1,5 @@
-"""AHAConfig: every knob of the AHA explainer and its training, validated in one place."""
+"""AHAConfig: every knob of the AHA explainer and its training, validated in one place and frozen (derive a changed
+config with ``dataclasses.replace``, which validates again)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from attr_engine.imageops import REFERENCES
+from kernels._validate import check_bool, check_int, check_int_at_least, check_non_negative, check_positive
 
 FRACTION_SAMPLING = ("linspace", "random")
 TARGET_MODES = ("pred+label", "pred")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AHAConfig:
     """Configuration of an AHA explainer (architecture, soft-AUC loss, optimiser).
 
@@ -78,35 +80,43 @@ class AHAConfig:
     refine_lr: float = 1e-3
 
     def __post_init__(self) -> None:
+        # Frozen: normalised values (lists from JSON -> tuples, ints -> floats) are written with object.__setattr__.
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        if self.backbone is not None and (not isinstance(self.backbone, str) or not self.backbone):
+            raise ValueError(f"backbone must be None or a timm model name, got {self.backbone!r}")
+        for name in ("backbone_pretrained", "random_offset", "amp"):
+            check_bool(getattr(self, name), name)
         if self.layers is not None:
-            self.layers = tuple(int(i) for i in self.layers)
+            put("layers", _int_tuple(self.layers, "layers"))
+        check_int_at_least(self.decoder_dim, "decoder_dim", 1)
+        check_int_at_least(self.class_dim, "class_dim", 1)
+        check_int_at_least(self.n_iters, "n_iters", 1)
+        check_int_at_least(self.n_fractions, "n_fractions", 2)  # a curve needs two points
         if self.grid_range is not None:
-            self.grid_range = tuple(int(g) for g in self.grid_range)  # type: ignore[assignment]
-        self.references = tuple(self.references)
-        _positive_int(self.decoder_dim, "decoder_dim")
-        _positive_int(self.class_dim, "class_dim")
-        _positive_int(self.n_iters, "n_iters")
-        if isinstance(self.n_fractions, bool) or not isinstance(self.n_fractions, int) or self.n_fractions < 2:
-            raise ValueError(f"n_fractions must be an int >= 2 (a curve needs two points), got {self.n_fractions!r}")
-        if self.grid_range is not None:
-            lo, hi = self.grid_range
-            if not 1 <= lo <= hi:
-                raise ValueError(f"grid_range must be (min, max) with 1 <= min <= max, got {self.grid_range}")
+            grid_range = _int_tuple(self.grid_range, "grid_range")
+            if len(grid_range) != 2 or not 1 <= grid_range[0] <= grid_range[1]:
+                raise ValueError(f"grid_range must be (min, max) with 1 <= min <= max, got {self.grid_range!r}")
+            put("grid_range", grid_range)
         for name in ("tau_start", "tau_end", "lr", "refine_lr"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+            put(name, check_positive(getattr(self, name), name))
         for name in ("noise", "peak_weight", "weight_decay", "grad_clip"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not 0 <= self.warmup < 1:
+            put(name, check_non_negative(getattr(self, name), name))
+        put("warmup", check_non_negative(self.warmup, "warmup"))
+        if not self.warmup < 1:
             raise ValueError(f"warmup is a fraction of the steps in [0, 1), got {self.warmup!r}")
+        check_int(self.seed, "seed")
         if self.fraction_sampling not in FRACTION_SAMPLING:
             raise ValueError(f"fraction_sampling must be one of {FRACTION_SAMPLING}, got {self.fraction_sampling!r}")
+        if isinstance(self.references, str):  # tuple("mean") would be ("m", "e", "a", "n")
+            raise ValueError(f"references must be a sequence of names from {REFERENCES}, got {self.references!r}")
+        put("references", tuple(self.references))
         if not self.references or any(r not in REFERENCES for r in self.references):
             raise ValueError(f"references must be a non-empty subset of {REFERENCES}, got {self.references!r}")
         if self.targets not in TARGET_MODES:
             raise ValueError(f"targets must be one of {TARGET_MODES}, got {self.targets!r}")
-        if self.peak_kernel is not None and (self.peak_kernel < 1 or self.peak_kernel % 2 == 0):
+        if self.peak_kernel is not None and check_int_at_least(self.peak_kernel, "peak_kernel", 1) % 2 == 0:
             raise ValueError(f"peak_kernel must be a positive odd int, got {self.peak_kernel!r}")
 
     def resolved(self, img_size: int) -> AHAConfig:
@@ -130,6 +140,8 @@ class AHAConfig:
         return cls(**data)
 
 
-def _positive_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def _int_tuple(values: Any, name: str) -> tuple[int, ...]:
+    """A sequence of integers as a tuple (JSON gives lists), each checked."""
+    if isinstance(values, str) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{name} must be a sequence of integers, got {values!r}")
+    return tuple(check_int(v, name) for v in values)

@@ -21,7 +21,6 @@ takes the newest complete step directory (stale temporary directories are remove
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import warnings
@@ -35,10 +34,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from attr_engine._training import collate_images_labels, warmup_cosine
 from attr_engine.aha.loss import soft_auc_loss
 from attr_engine.aha.persistence import CHECKPOINTS_DIR, CONFIG_FILE, POINTER_KEY, WEIGHTS_FILE, step_dirs
 from attr_engine.checkpoint import fresh_dir, fsync_dir, load_state, save_json, save_state
 from attr_engine.imageops import reference_image, scaled_blur
+from kernels._validate import check_int_at_least
 
 if TYPE_CHECKING:  # AHA imports this module to train itself
     from attr_engine.aha.model import AHA
@@ -75,12 +76,12 @@ def fit(
     Returns:
         Per-step history: ``loss``, ``deletion``, ``insertion``, ``tau``, ``lr``.
     """
-    _check_positive_int(epochs, "epochs")
-    _check_positive_int(batch_size, "batch_size")
+    check_int_at_least(epochs, "epochs", 1)
+    check_int_at_least(batch_size, "batch_size", 1)
     if max_steps is not None:
-        _check_positive_int(max_steps, "max_steps")
+        check_int_at_least(max_steps, "max_steps", 1)
     if checkpoint_every is not None:
-        _check_positive_int(checkpoint_every, "checkpoint_every")
+        check_int_at_least(checkpoint_every, "checkpoint_every", 1)
         if checkpoint_dir is None:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
     cfg = aha.config
@@ -96,7 +97,7 @@ def fit(
     decoder.train()
     optimizer = torch.optim.AdamW(decoder.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     warmup = round(cfg.warmup * total)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(total, warmup))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total, warmup))
     # Every rank draws the same step choices (grid, offset, fractions, reference): the gradient DDP averages is the
     # one a single process would get on the global batch. Only the Gumbel noise is decorrelated per rank.
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -201,16 +202,6 @@ def _draw_fractions(count: int, sampling: str, gen: torch.Generator) -> torch.Te
     return torch.cat((torch.zeros(1), inner, torch.ones(1)))
 
 
-def _warmup_cosine(total: int, warmup: int):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,12 +211,6 @@ def _steps_per_epoch(data: Dataset | DataLoader, batch_size: int, world: int) ->
     if isinstance(data, DataLoader):
         return len(data)
     return (len(data) // world) // batch_size  # type: ignore[arg-type]
-
-
-def _collate(items: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    images = torch.stack([item[0] for item in items])
-    labels = torch.tensor([int(item[1]) for item in items], dtype=torch.long)
-    return images, labels
 
 
 def _epoch_batches(
@@ -248,7 +233,7 @@ def _epoch_batches(
     usable = (len(order) // world) // batch_size * batch_size * world
     mine = order[:usable][rank::world].tolist()
     batches = [mine[i : i + batch_size] for i in range(skip * batch_size, len(mine), batch_size)]
-    loader = DataLoader(data, batch_sampler=batches, collate_fn=_collate, num_workers=num_workers)
+    loader = DataLoader(data, batch_sampler=batches, collate_fn=collate_images_labels, num_workers=num_workers)
     yield from loader
 
 
@@ -383,8 +368,3 @@ def _read_checkpoint(aha: AHA, d: Path) -> tuple[dict[str, torch.Tensor], Any]:
     if int(meta.get("step", -1)) != loaded.steps_trained or int(state["step"]) != loaded.steps_trained:
         raise ValueError(f"{d}: trainer state (step {meta.get('step')}) and weights disagree (torn checkpoint?)")
     return loaded.decoder.state_dict(), state
-
-
-def _check_positive_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -20,6 +20,8 @@ import torch
 from PIL import Image, ImageOps
 from torch.utils.data import Dataset
 
+from kernels._validate import check_int_at_least, check_positive
+
 __all__ = ["IMAGE_EXTENSIONS", "ImageFolderDataset"]
 
 # Single-channel modes PIL cannot convert to 8-bit RGB without clipping, and the value that maps to 1.0.
@@ -69,9 +71,9 @@ class ImageFolderDataset(Dataset):
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"image folder not found: {self.root}")
-        if img_size is not None and (isinstance(img_size, bool) or not isinstance(img_size, int) or img_size < 1):
-            raise ValueError(f"img_size must be a positive int or None, got {img_size!r}")
-        if not 0.0 < float(crop_pct) <= 1.0:
+        if img_size is not None:
+            check_int_at_least(img_size, "img_size", 1)
+        if not check_positive(crop_pct, "crop_pct") <= 1.0:
             raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct!r}")
         self.img_size = img_size
         self.crop_pct = float(crop_pct)

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from kernels._validate import check_int_at_least, check_non_negative
+
 __all__ = ["SHAPE_KINDS", "ShapesDataset", "ShapesSample"]
 
 # Local shape coordinates: the shape fits (roughly) in the unit disc around the origin.
@@ -160,15 +162,10 @@ class ShapesDataset(Dataset):
             ("seed", seed, 0),
             ("max_distractors", max_distractors, 0),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
-        if (
-            isinstance(num_classes, bool)
-            or not isinstance(num_classes, int)
-            or not 2 <= num_classes <= len(SHAPE_KINDS)
-        ):
+            check_int_at_least(value, name, lo)
+        if check_int_at_least(num_classes, "num_classes", 2) > len(SHAPE_KINDS):
             raise ValueError(f"num_classes must be an integer in [2, {len(SHAPE_KINDS)}], got {num_classes!r}")
-        if not 0.0 <= float(noise_std) < 1.0:
+        if not check_non_negative(noise_std, "noise_std") < 1.0:
             raise ValueError(f"noise_std must be in [0, 1), got {noise_std!r}")
         self.n = n
         self.img_size = img_size

@@ -5,7 +5,8 @@
 - Robustness: max-sensitivity (``robustness``); randomisation: random logit (``randomisation``).
 - Localisation against object masks: pointing game, energy pointing game (``localisation``).
 
-Input checks shared by all metrics live in ``_checks`` (pixel maps) and ``_maps`` (Quantus-style maps with channels).
+Input checks shared by all metrics live in ``_checks`` (pixel maps) and ``_maps`` (Quantus-style maps with channels);
+the one perturbation-curve loop behind deletion / insertion, Pos / Neg and infidelity lives in ``_curves``.
 """
 
 from attr_engine.metrics.faithfulness import (

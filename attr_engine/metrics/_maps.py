@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels._validate import check_tensor
+from kernels._validate import check_bool, check_tensor
 
 __all__ = ["NORMALISATIONS", "Explain", "call_explainer", "prepare_maps"]
 
@@ -55,8 +55,7 @@ def prepare_maps(
         )
     if normalise not in NORMALISATIONS:
         raise ValueError(f"normalise must be one of {NORMALISATIONS}, got {normalise!r}")
-    if not isinstance(abs, bool):
-        raise ValueError(f"abs must be a bool, got {abs!r}")
+    check_bool(abs, "abs")
     maps = maps.to(device=x.device, dtype=torch.float64 if maps.dtype == torch.float64 else torch.float32)
     if normalise == "max":
         peak = maps.abs().amax(dim=(1, 2, 3), keepdim=True)

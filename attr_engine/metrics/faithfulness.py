@@ -35,9 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from attr_engine.classifier import Classifier
+from attr_engine.imageops import resolve_reference
 from attr_engine.metrics._checks import check_classifier, check_images, check_pixel_maps, resolve_target
+from attr_engine.metrics._curves import batched_logits, perturbation_curve, target_probability
 from attr_engine.metrics._maps import prepare_maps
-from attr_engine.metrics.perturbation import _resolve_reference, pixel_ranks
+from attr_engine.metrics.perturbation import pixel_ranks
 from kernels._validate import check_int_at_least, check_tensor
 
 __all__ = [
@@ -82,6 +84,11 @@ class PerturbationAUC:
     positive_curve: torch.Tensor
     negative_curve: torch.Tensor
     target: torch.Tensor
+
+
+def _top1_hit(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """(N,) 1.0 where the top-1 class is the target, else 0.0 (Chefer et al.'s accuracy score)."""
+    return (logits.float().argmax(dim=1) == target).float()
 
 
 def _check_fractions(fractions: Sequence[float]) -> list[float]:
@@ -134,22 +141,12 @@ def perturbation_auc(
     counts = torch.tensor([math.floor(f * num_pixels + 0.5) for f in values], device=x.device)
 
     with torch.no_grad():
-        ref = _resolve_reference(reference, x, classifier)
-        target = resolve_target(target, torch.cat([classifier.forward_trusted(c) for c in x.split(batch_size)]))
+        ref = resolve_reference(reference, x, classifier.norm_mean)
+        target = resolve_target(target, batched_logits(classifier, x, batch_size))
+        scorer = target_probability if score == "probability" else _top1_hit
 
         def curve(ranks: torch.Tensor) -> torch.Tensor:
-            steps = len(values)
-            out = torch.empty(batch * steps, dtype=torch.float32, device=x.device)
-            for lo in range(0, batch * steps, batch_size):
-                j = torch.arange(lo, min(lo + batch_size, batch * steps), device=x.device)
-                b, k = j // steps, j % steps
-                removed = (ranks[b] < counts[k, None]).view(-1, 1, height, width)
-                logits = classifier.forward_trusted(torch.where(removed, ref[b], x[b])).float()
-                if score == "probability":
-                    out[lo : lo + len(j)] = logits.softmax(dim=1).gather(1, target[b, None]).squeeze(1)
-                else:
-                    out[lo : lo + len(j)] = (logits.argmax(dim=1) == target[b]).float()
-            return out.view(batch, steps)
+            return perturbation_curve(classifier, x, ref, ranks, counts, target, batch_size, score=scorer)
 
         positive_curve = curve(pixel_ranks(maps))
         negative_curve = curve(pixel_ranks(-maps))
@@ -317,31 +314,20 @@ def infidelity(
     grids = [patch_grid(height, width, p, x.device) for p in sizes]
     counts = [int(g.max()) + 1 for g in grids]
     check_int_at_least(n_samples, "n_samples", 1)
-    if isinstance(baseline, bool) or not (isinstance(baseline, int | float) or baseline in INFIDELITY_BASELINES):
-        raise ValueError(f"baseline must be one of {INFIDELITY_BASELINES} or a number, got {baseline!r}")
-    kind: str | float = float(baseline) if isinstance(baseline, int | float) else baseline
-    random = kind == "uniform"
-    if baseline_values is not None:
-        if not random:
-            raise ValueError("baseline_values replaces the draws of baseline='uniform' only")
-        baseline_values = check_tensor(baseline_values, "baseline_values", ndim=3, finite=True)
-        expected = (n_samples, sum(counts), batch)
-        if tuple(baseline_values.shape) != expected:
-            raise ValueError(f"baseline_values must have shape {expected}, got {tuple(baseline_values.shape)}")
-        baseline_values = baseline_values.to(x.device)
-    elif random:
-        low, high = (float(v) for v in uniform_range)
-        if not low < high:
-            raise ValueError(f"uniform_range must be (low, high) with low < high, got {uniform_range!r}")
-        draw = torch.rand(n_samples, sum(counts), batch, generator=generator, device=x.device, dtype=torch.float64)
-        baseline_values = low + (high - low) * draw
-    samples = n_samples if random else 1
+    kind = _check_baseline(baseline)
+    if kind != "uniform" and baseline_values is not None:
+        raise ValueError("baseline_values replaces the draws of baseline='uniform' only")
+    draws = None
+    if kind == "uniform":
+        draws = _uniform_draws(baseline_values, uniform_range, (n_samples, sum(counts), batch), generator, x.device)
+    # Deterministic baselines perturb every sample alike: one pass gives the same score.
+    samples = n_samples if draws is not None else 1
 
     x_channel_sum = (attr * x.double()).sum(dim=1).flatten(1)  # (B, H*W): sum_c A_c x_c per pixel
     attr_channel_sum = attr.sum(dim=1).flatten(1) * (x.shape[1] if attr.shape[1] == 1 else 1)
 
     with torch.no_grad():
-        logits = torch.cat([classifier.forward_trusted(c) for c in x.split(batch_size)])
+        logits = batched_logits(classifier, x, batch_size)
         target = resolve_target(target, logits)
         clean = _target_scores(logits, target, output)
         # a and b for every (sample, patch size) segment: lists of (B, P) tensors.
@@ -351,37 +337,103 @@ def infidelity(
             a_row, b_row = [], []
             offset = 0
             for grid, num in zip(grids, counts, strict=True):
-                uniform = baseline_values[s, offset : offset + num] if random else None
+                uniform = None if draws is None else draws[s, offset : offset + num]
                 offset += num
                 # (B, P), rounded to the image dtype so that a sees exactly the pixels the classifier sees.
                 values = _patch_values(kind, x, grid, num, uniform).to(x.dtype).double()
-                ids = grid.flatten()
-                s1 = torch.zeros(batch, num, dtype=torch.float64, device=x.device).index_add_(1, ids, x_channel_sum)
-                s2 = torch.zeros(batch, num, dtype=torch.float64, device=x.device).index_add_(1, ids, attr_channel_sum)
-                a_row.append(torch.cumsum(s1 - values * s2, dim=1))
-                fill = values.to(x.dtype).gather(1, ids.expand(batch, -1)).view(batch, 1, height, width)
-                perturbed = torch.empty(batch * num, dtype=torch.float64, device=x.device)
-                for lo in range(0, batch * num, batch_size):
-                    j = torch.arange(lo, min(lo + batch_size, batch * num), device=x.device)
-                    b, k = j // num, j % num
-                    replaced = (grid[None] <= k[:, None, None]).unsqueeze(1)
-                    images = torch.where(replaced, fill[b], x[b])
-                    perturbed[lo : lo + len(j)] = _target_scores(classifier.forward_trusted(images), target[b], output)
-                b_row.append(clean[:, None] - perturbed.view(batch, num))
+                a_row.append(_predicted_differences(grid, num, values, x_channel_sum, attr_channel_sum))
+                perturbed = _cumulative_patch_scores(classifier, x, grid, num, values, target, output, batch_size)
+                b_row.append(clean[:, None] - perturbed)
             a_terms.append(a_row)
             b_terms.append(b_row)
+    return _reduce_infidelity(a_terms, b_terms, scaling).float()
 
+
+def _check_baseline(baseline: str | float) -> str | float:
+    """One of :data:`INFIDELITY_BASELINES`, or a number (as a float)."""
+    if isinstance(baseline, bool) or not (isinstance(baseline, int | float) or baseline in INFIDELITY_BASELINES):
+        raise ValueError(f"baseline must be one of {INFIDELITY_BASELINES} or a number, got {baseline!r}")
+    return float(baseline) if isinstance(baseline, int | float) else baseline
+
+
+def _uniform_draws(
+    given: torch.Tensor | None,
+    uniform_range: tuple[float, float],
+    shape: tuple[int, int, int],
+    generator: torch.Generator | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """The ``"uniform"`` baseline's values, (samples, patches over all sizes, B): ``given`` checked, else drawn."""
+    if given is not None:
+        given = check_tensor(given, "baseline_values", ndim=3, finite=True)
+        if tuple(given.shape) != shape:
+            raise ValueError(f"baseline_values must have shape {shape}, got {tuple(given.shape)}")
+        return given.to(device)
+    low, high = (float(v) for v in uniform_range)
+    if not low < high:
+        raise ValueError(f"uniform_range must be (low, high) with low < high, got {uniform_range!r}")
+    draw = torch.rand(*shape, generator=generator, device=device, dtype=torch.float64)
+    return low + (high - low) * draw
+
+
+def _predicted_differences(
+    grid: torch.Tensor,
+    num: int,
+    values: torch.Tensor,
+    x_channel_sum: torch.Tensor,
+    attr_channel_sum: torch.Tensor,
+) -> torch.Tensor:
+    """``a = sum(A * (x - x_pert))`` after each cumulative patch replacement, (B, P) float64.
+
+    Replacing patch p by value v_p changes ``sum(A * x)`` by ``sum_p(A x) - v_p sum_p(A)``, so per-patch sums of
+    ``A x`` and ``A`` (summed over channels: ``x_channel_sum``, ``attr_channel_sum``, (B, H*W)) and a cumulative
+    sum give every ``a`` without building an image.
+    """
+    batch = values.shape[0]
+    ids = grid.flatten()
+    s1 = torch.zeros(batch, num, dtype=torch.float64, device=values.device).index_add_(1, ids, x_channel_sum)
+    s2 = torch.zeros(batch, num, dtype=torch.float64, device=values.device).index_add_(1, ids, attr_channel_sum)
+    return torch.cumsum(s1 - values * s2, dim=1)
+
+
+def _cumulative_patch_scores(
+    classifier: Classifier,
+    x: torch.Tensor,
+    grid: torch.Tensor,
+    num: int,
+    values: torch.Tensor,
+    target: torch.Tensor,
+    output: str,
+    batch_size: int,
+) -> torch.Tensor:
+    """``f_t(x_pert)`` after patches 0..k are replaced by their values, for every k: (B, P) float64.
+
+    The patch id is the pixel's rank, and ``k + 1`` the count: a perturbation curve over patches.
+    """
+    batch, _, height, width = x.shape
+    ranks = grid.flatten().expand(batch, -1)
+    fill = values.to(x.dtype).gather(1, ranks).view(batch, 1, height, width)  # each pixel its patch's value
+    counts = torch.arange(1, num + 1, device=x.device)
+    return perturbation_curve(
+        classifier, x, fill, ranks, counts, target, batch_size,
+        score=lambda logits, t: _target_scores(logits, t, output), dtype=torch.float64,
+    )  # fmt: skip
+
+
+def _reduce_infidelity(
+    a_terms: list[list[torch.Tensor]], b_terms: list[list[torch.Tensor]], scaling: str
+) -> torch.Tensor:
+    """(B,) score from the (B, P) ``a`` and ``b`` of every (sample, patch size): Quantus' nested means for
+    ``"none"``, the optimal scaling pooled over every perturbation of the image for ``"optimal"``."""
     if scaling == "none":
         per_sample = [
             torch.stack([((a - b) ** 2).mean(dim=1) for a, b in zip(a_row, b_row, strict=True)]).mean(dim=0)
             for a_row, b_row in zip(a_terms, b_terms, strict=True)
         ]
-        score = torch.stack(per_sample).mean(dim=0)
-    else:
-        a_all = torch.cat([t for row in a_terms for t in row], dim=1)
-        b_all = torch.cat([t for row in b_terms for t in row], dim=1)
-        score = _optimal_scaling_loss(a_all, b_all)
-    return score.float()
+        return torch.stack(per_sample).mean(dim=0)
+    a_all = torch.cat([t for row in a_terms for t in row], dim=1)
+    b_all = torch.cat([t for row in b_terms for t in row], dim=1)
+    return _optimal_scaling_loss(a_all, b_all)
 
 
 def infidelity_from_perturbations(
@@ -436,7 +488,7 @@ def infidelity_from_perturbations(
         return out.to(device=x.device, dtype=x.dtype)
 
     with torch.no_grad():
-        logits = torch.cat([classifier.forward_trusted(c) for c in x.split(batch_size)])
+        logits = batched_logits(classifier, x, batch_size)
         target = resolve_target(target, logits)
         clean = _target_scores(logits, target, output)
         a = torch.empty(samples, batch, dtype=torch.float64, device=x.device)

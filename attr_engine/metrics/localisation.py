@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from attr_engine.metrics._checks import check_masks, check_pixel_maps
+from kernels._validate import check_non_negative
 
 __all__ = ["energy_pointing_game", "pointing_game"]
 
@@ -36,9 +37,7 @@ def pointing_game(maps: torch.Tensor, masks: torch.Tensor, *, tolerance: float =
         ValueError: shapes that disagree, NaN/inf maps, non-bool or empty masks, a negative tolerance.
     """
     maps, masks = _maps_and_masks(maps, masks)
-    tol = float(tolerance) if not isinstance(tolerance, bool) else float("nan")
-    if not 0 <= tol < float("inf"):
-        raise ValueError(f"tolerance must be a finite number of pixels >= 0, got {tolerance!r}")
+    tol = check_non_negative(tolerance, "tolerance")
     width = maps.shape[-1]
     point = maps.flatten(1).argmax(dim=1)
     ys = torch.arange(maps.shape[-2], device=maps.device)[:, None]

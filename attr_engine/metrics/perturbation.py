@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from attr_engine.classifier import Classifier
-from attr_engine.imageops import REFERENCES, gaussian_blur, reference_image, scaled_blur
+from attr_engine.imageops import gaussian_blur, resolve_reference
 from attr_engine.metrics._checks import check_classifier, check_images, check_pixel_maps, resolve_target
-from kernels._validate import check_int_at_least, check_tensor
+from attr_engine.metrics._curves import batched_logits, perturbation_curve, target_probability
+from kernels._validate import check_int_at_least
 
 __all__ = ["PROTOCOLS", "DeletionInsertion", "deletion_insertion", "perturbation_counts", "pixel_ranks"]
 
@@ -83,56 +84,6 @@ def perturbation_counts(num_pixels: int, steps: int) -> list[int]:
     return [(2 * k * num_pixels + steps) // (2 * steps) for k in range(steps + 1)]
 
 
-def _resolve_reference(reference: str | torch.Tensor, x: torch.Tensor, classifier: Classifier) -> torch.Tensor:
-    if isinstance(reference, torch.Tensor):
-        ref = check_tensor(reference, "reference", finite=True)
-        if ref.ndim == 3:
-            ref = ref.unsqueeze(0)
-        if ref.ndim != 4 or ref.shape[1:] != x.shape[1:] or ref.shape[0] not in (1, x.shape[0]):
-            raise ValueError(
-                f"reference must be (B, 3, H, W) or (3, H, W) matching x {tuple(x.shape)}, got {tuple(reference.shape)}"
-            )
-        return ref.to(device=x.device, dtype=x.dtype).expand_as(x)
-    if not isinstance(reference, str) or reference not in REFERENCES:
-        raise ValueError(f"unknown reference {reference!r}; expected one of {', '.join(REFERENCES)} or a tensor")
-    # The strong blur scales with the image side exactly as in AHA training (kernel 37, sigma 37 at 224 px).
-    kernel, sigma = scaled_blur(min(x.shape[-2:]))
-    return reference_image(x, reference, classifier.norm_mean, blur_kernel=kernel, blur_sigma=sigma)
-
-
-def _logits(classifier: Classifier, images: torch.Tensor, batch_size: int) -> torch.Tensor:
-    return torch.cat([classifier.forward_trusted(chunk) for chunk in images.split(batch_size)])
-
-
-def _probability(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    # Softmax in float32 whatever the classifier's dtype: probabilities near 0 or 1 are what the curves resolve.
-    return logits.float().softmax(dim=1).gather(1, target[:, None]).squeeze(1)
-
-
-def _interior_curve(
-    classifier: Classifier,
-    start: torch.Tensor,
-    end: torch.Tensor,
-    ranks: torch.Tensor,
-    counts: list[int],
-    target: torch.Tensor,
-    batch_size: int,
-) -> torch.Tensor:
-    """Target probability of ``where(rank < n, end, start)`` for every image and count. Returns (B, len(counts))."""
-    batch, _, height, width = start.shape
-    steps = len(counts)
-    curve = torch.empty(batch * steps, dtype=torch.float32, device=start.device)
-    counts_t = torch.tensor(counts, dtype=torch.long, device=start.device)
-    # Flat index j = b * steps + k over (image, count): one chunk may straddle images, so every chunk is full.
-    for lo in range(0, batch * steps, batch_size):
-        j = torch.arange(lo, min(lo + batch_size, batch * steps), device=start.device)
-        b, k = j // steps, j % steps
-        perturbed = (ranks[b] < counts_t[k, None]).view(-1, 1, height, width)
-        images = torch.where(perturbed, end[b], start[b])
-        curve[lo : lo + len(j)] = _probability(classifier.forward_trusted(images), target[b])
-    return curve.view(batch, steps)
-
-
 def deletion_insertion(
     classifier: Classifier,
     x: torch.Tensor,
@@ -177,11 +128,11 @@ def deletion_insertion(
         raise ValueError(f"unknown protocol {protocol!r}; expected one of {', '.join(PROTOCOLS)}")
 
     with torch.no_grad():
-        ref = _resolve_reference(reference, x, classifier)
-        clean_logits = _logits(classifier, x, batch_size)
+        ref = resolve_reference(reference, x, classifier.norm_mean)
+        clean_logits = batched_logits(classifier, x, batch_size)
         target = resolve_target(target, clean_logits)
-        p_clean = _probability(clean_logits, target)
-        p_ref = _probability(_logits(classifier, ref, batch_size), target)
+        p_clean = target_probability(clean_logits, target)
+        p_ref = target_probability(batched_logits(classifier, ref, batch_size), target)
         # Endpoints (k = 0 and k = steps) are the whole start and end images, scored above once.
         counts = perturbation_counts(height * width, steps)[1:-1]
         ranks = pixel_ranks(maps)
@@ -189,7 +140,7 @@ def deletion_insertion(
         def curve(
             start: torch.Tensor, end: torch.Tensor, order: torch.Tensor, p_start: torch.Tensor, p_end: torch.Tensor
         ) -> torch.Tensor:
-            inner = _interior_curve(classifier, start, end, order, counts, target, batch_size)
+            inner = perturbation_curve(classifier, start, end, order, counts, target, batch_size)
             return torch.cat([p_start[:, None], inner, p_end[:, None]], dim=1)
 
         deletion_curve = curve(x, ref, ranks, p_clean, p_ref)
@@ -197,7 +148,7 @@ def deletion_insertion(
             insertion_curve = curve(x, ref, pixel_ranks(-maps), p_clean, p_ref)
         else:
             blurred = gaussian_blur(x, RISE_BLUR_KERNEL, RISE_BLUR_SIGMA)
-            p_blurred = _probability(_logits(classifier, blurred, batch_size), target)
+            p_blurred = target_probability(batched_logits(classifier, blurred, batch_size), target)
             insertion_curve = curve(blurred, x, ranks, p_blurred, p_clean)
 
         fractions = torch.arange(steps + 1, dtype=torch.float32, device=x.device) / steps

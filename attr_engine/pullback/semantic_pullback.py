@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from attr_engine.explainer import Explainer, register_explainer
-from attr_engine.pullback.soft_adjoint import soft_adjoint
+from attr_engine.pullback.soft_adjoint import GELU_TAU, MAXPOOL_TAU, RELU_TAU, SILU_TAU, soft_adjoint
 from kernels._validate import check_int_at_least, check_positive
 
 __all__ = ["PULLBACK_RANKING_SOURCE", "PullbackConfig", "SemanticPullback", "default_alpha"]
@@ -68,10 +68,10 @@ class PullbackConfig:
         warn_unknown: warn about layers the soft adjoint does not handle (see :func:`soft_adjoint`).
     """
 
-    relu_tau: float = 0.6
-    gelu_tau: float = 1.0
-    silu_tau: float = 1.6
-    maxpool_tau: float = 0.3
+    relu_tau: float = RELU_TAU
+    gelu_tau: float = GELU_TAU
+    silu_tau: float = SILU_TAU
+    maxpool_tau: float = MAXPOOL_TAU
     layernorm: bool = True
     attention: bool = True
     steps: int = 5

@@ -67,10 +67,17 @@ from timm.layers.pool2d_same import MaxPool2dSame
 from timm.models.pvt_v2 import Attention as PvtAttention
 from torch import nn
 
-from kernels._validate import check_positive
-from kernels.soft_adjoint import soft_gate, soft_maxpool2d
+from kernels._validate import check_bool, check_positive
+from kernels.soft_adjoint import DEFAULT_POOL_TAU, DEFAULT_TAU, soft_gate, soft_maxpool2d
 
-__all__ = ["SoftAdjoint", "soft_adjoint"]
+__all__ = ["GELU_TAU", "MAXPOOL_TAU", "RELU_TAU", "SILU_TAU", "SoftAdjoint", "soft_adjoint"]
+
+# The paper's soft-adjoint temperatures. Their one definition is the kernels' (kernels import nothing of
+# attr_engine); every default here and in PullbackConfig reads these names.
+RELU_TAU: float = DEFAULT_TAU["relu"]
+GELU_TAU: float = DEFAULT_TAU["gelu"]
+SILU_TAU: float = DEFAULT_TAU["silu"]
+MAXPOOL_TAU: float = DEFAULT_POOL_TAU
 
 # ----------------------------------------------------------------------------------------------------------------
 # Which module types are softened, and how
@@ -473,10 +480,10 @@ class SoftAdjoint:
         self,
         model: nn.Module,
         *,
-        relu_tau: float = 0.6,
-        gelu_tau: float = 1.0,
-        silu_tau: float = 1.6,
-        maxpool_tau: float = 0.3,
+        relu_tau: float = RELU_TAU,
+        gelu_tau: float = GELU_TAU,
+        silu_tau: float = SILU_TAU,
+        maxpool_tau: float = MAXPOOL_TAU,
         layernorm: bool = True,
         attention: bool = True,
         warn_unknown: bool = True,
@@ -484,8 +491,7 @@ class SoftAdjoint:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         for name, flag in (("layernorm", layernorm), ("attention", attention), ("warn_unknown", warn_unknown)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be a bool, got {flag!r}")
+            check_bool(flag, name)
         self.model = model
         self.relu_tau = check_positive(relu_tau, "relu_tau")
         self.gelu_tau = check_positive(gelu_tau, "gelu_tau")
@@ -592,10 +598,10 @@ class SoftAdjoint:
 def soft_adjoint(
     model: nn.Module,
     *,
-    relu_tau: float = 0.6,
-    gelu_tau: float = 1.0,
-    silu_tau: float = 1.6,
-    maxpool_tau: float = 0.3,
+    relu_tau: float = RELU_TAU,
+    gelu_tau: float = GELU_TAU,
+    silu_tau: float = SILU_TAU,
+    maxpool_tau: float = MAXPOOL_TAU,
     layernorm: bool = True,
     attention: bool = True,
     warn_unknown: bool = True,
