@@ -13,7 +13,8 @@ index maps are computed once on the host in float64 (and cached per shape, grid,
 fed from them (the reference as flat cell ids and membership matrices, the kernels as int32 maps and cell
 boundaries), so the reference and Triton agree exactly on which pixel belongs to which cell and on cell areas.
 
-Kernel offsets: the batch term is int64; offsets within one image (S * C * H * W elements) are int32.
+Kernel offsets: program ids are read as int64 (``kernels._tl_helpers._pid``), so every offset built from them is
+int64 and cannot overflow at large B * S * C * H * W.
 
 Layout: geometry -> references -> Triton kernels -> launchers (torch.library ops) -> autograd wiring -> public ops.
 """
@@ -27,9 +28,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.library import register_autograd, triton_op, wrap_triton
+from torch.library import custom_op, triton_op, wrap_triton
 
 from kernels._backend import tl, triton, use_triton
+from kernels._tl_helpers import _pid, compute_dtype, tl_compute_dtype
 from kernels._validate import check_int_at_least, check_offset, check_same, check_tensor
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -101,15 +103,6 @@ def _grid(h: int, w: int, g: int, oy: float, ox: float, device: torch.device) ->
     )
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 accumulation for every I/O dtype except float64 (kept exact for gradcheck)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _tl_acc(dtype: torch.dtype) -> Any:
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # References (pure PyTorch; they define correctness)
 # ----------------------------------------------------------------------------------------------------------------------
@@ -145,7 +138,7 @@ def _region_pool_reference(amap: Tensor, grid: _Grid) -> Tensor:
     Memory: reads the map once (plus one float32 copy for half inputs), writes (B, H, g) and (B, g, g); autograd
     keeps nothing of size (B, H, W).
     """
-    acc = _acc_dtype(amap.dtype)
+    acc = compute_dtype(amap.dtype)
     return _reduce_cells(amap.to(acc), grid.means[acc]).to(amap.dtype)
 
 
@@ -156,7 +149,7 @@ def _blend_reference_forward(x: Tensor, reference: Tensor, masks: Tensor, grid: 
     one float32 (B, C, H, W) slice at a time for half inputs). The naive broadcast formulation keeps the upsampled
     masks for autograd and creates several output-sized temporaries in both directions.
     """
-    acc = _acc_dtype(x.dtype)
+    acc = compute_dtype(x.dtype)
     xa, ra = x.to(acc), reference.to(acc)
     up = _upsample(masks.to(acc), grid)  # (B, S, H, W)
     b, c, h, w = x.shape
@@ -175,7 +168,7 @@ def _blend_reference_backward(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dx, dr, dmasks or None). Recomputes the upsampled masks and r - x and works one channel at a time, so its
     temporaries are (B, S, H, W)-sized (1 / C of the output)."""
-    acc = _acc_dtype(x.dtype)
+    acc = compute_dtype(x.dtype)
     up = _upsample(masks.to(acc), grid)  # (B, S, H, W)
     diff = reference.to(acc) - x.to(acc)
     dr = torch.empty_like(diff)
@@ -194,7 +187,7 @@ def _blend_reference_backward(
 # geometry's host-side set-up (cached per shape), and fullgraph=True traces the ops' callers.
 
 
-@torch.library.custom_op("attr_engine::region_pool_reference", mutates_args=())
+@custom_op("attr_engine::region_pool_reference", mutates_args=())
 def _region_pool_reference_op(amap: Tensor, g: int, oy: float, ox: float) -> Tensor:
     return _region_pool_reference(amap, _grid(amap.shape[1], amap.shape[2], g, oy, ox, amap.device))
 
@@ -204,11 +197,11 @@ def _(amap: Tensor, g: int, oy: float, ox: float) -> Tensor:
     return amap.new_empty(amap.shape[0], g, g)
 
 
-@torch.library.custom_op("attr_engine::region_pool_reference_backward", mutates_args=())
+@custom_op("attr_engine::region_pool_reference_backward", mutates_args=())
 def _region_pool_reference_backward_op(grad: Tensor, h: int, w: int, oy: float, ox: float) -> Tensor:
     """Each pixel receives its cell's gradient / area: ``row_mean^T @ grad @ col_mean^T``, (B, g, g) -> (B, H, W)."""
     geo = _grid(h, w, grad.shape[-1], oy, ox, grad.device)
-    acc = _acc_dtype(grad.dtype)
+    acc = compute_dtype(grad.dtype)
     row_mean, col_mean = geo.means[acc]
     return (row_mean.T @ grad.to(acc) @ col_mean.T).to(grad.dtype)
 
@@ -231,7 +224,7 @@ def _region_pool_reference_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | No
 _region_pool_reference_op.register_autograd(_region_pool_reference_backward, setup_context=_region_pool_reference_setup)
 
 
-@torch.library.custom_op("attr_engine::soft_mask_blend_reference", mutates_args=())
+@custom_op("attr_engine::soft_mask_blend_reference", mutates_args=())
 def _soft_mask_blend_reference_op(x: Tensor, reference: Tensor, masks: Tensor, oy: float, ox: float) -> Tensor:
     geo = _grid(x.shape[2], x.shape[3], masks.shape[2], oy, ox, x.device)
     return _blend_reference_forward(x, reference, masks, geo)
@@ -243,7 +236,7 @@ def _(x: Tensor, reference: Tensor, masks: Tensor, oy: float, ox: float) -> Tens
     return x.new_empty(b, masks.shape[1], c, h, w)
 
 
-@torch.library.custom_op("attr_engine::soft_mask_blend_reference_backward", mutates_args=())
+@custom_op("attr_engine::soft_mask_blend_reference_backward", mutates_args=())
 def _soft_mask_blend_reference_backward_op(
     grad: Tensor, x: Tensor, reference: Tensor, masks: Tensor, oy: float, ox: float, need_masks: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -289,29 +282,32 @@ def _pool_fwd_kernel(
     out_ptr,  # (B, g, g) contiguous cell means, amap's dtype
     row_start_ptr,  # (g + 1,) int32: first pixel row of each grid row, then H
     col_start_ptr,  # (g + 1,) int32: first pixel column of each grid column, then W
-    stride_b,  # amap stride over the batch, in elements
-    stride_h,  # amap stride over rows
-    stride_w,  # amap stride over columns
+    stride_ab,  # amap stride over the batch, in elements
+    stride_ah,  # amap stride over rows
+    stride_aw,  # amap stride over columns
     G,  # grid size g
     ACC: tl.constexpr,  # accumulation dtype (float32, or float64 for float64 maps)
     BLOCK: tl.constexpr,  # pixels of the cell summed per step
 ):
-    # One program owns one (image, cell): the sum is a plain in-register reduction, no atomics, deterministic.
-    cell = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    """Cell mean ``out[b, cy, cx] = sum_{(y, x) in cell} amap[b, y, x] / area(cell)`` for one (image, cell).
+
+    One program owns one (image, cell): the sum is a plain in-register reduction, no atomics, deterministic.
+    """
+    cell = _pid(0)
+    b = _pid(1)
     cy = cell // G
     cx = cell % G
     y0 = tl.load(row_start_ptr + cy)
     x0 = tl.load(col_start_ptr + cx)
     cw = tl.load(col_start_ptr + cx + 1) - x0
     n = (tl.load(row_start_ptr + cy + 1) - y0) * cw
-    base = amap_ptr + b * stride_b
+    base = amap_ptr + b * stride_ab
     acc = tl.zeros([BLOCK], dtype=ACC)
     for start in range(0, n, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         yy = y0 + idx // cw
         xx = x0 + idx % cw
-        acc += tl.load(base + yy * stride_h + xx * stride_w, mask=idx < n, other=0.0).to(ACC)
+        acc += tl.load(base + yy * stride_ah + xx * stride_aw, mask=idx < n, other=0.0).to(ACC)
     mean = tl.sum(acc, axis=0) / n.to(ACC)
     tl.store(out_ptr + b * G * G + cell, mean.to(out_ptr.dtype.element_ty))
 
@@ -330,9 +326,12 @@ def _pool_bwd_kernel(
     ACC: tl.constexpr,  # arithmetic dtype
     BLOCK: tl.constexpr,  # pixels per program
 ):
-    # One program owns a block of pixels and gathers from the tiny grid: every output element is written once.
-    b = tl.program_id(1).to(tl.int64)
-    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    """Adjoint of the cell mean: ``dmap[b, y, x] = grad[b, cell(y, x)] / area(cell(y, x))``.
+
+    One program owns a block of pixels and gathers from the tiny grid: every output element is written once.
+    """
+    b = _pid(1)
+    p = _pid(0) * BLOCK + tl.arange(0, BLOCK)
     ok = p < H * W
     cy = tl.load(rows_ptr + p // W, mask=ok, other=0)
     cx = tl.load(cols_ptr + p % W, mask=ok, other=0)
@@ -351,14 +350,14 @@ def _blend_fwd_kernel(
     out_ptr,  # (B, S, C, H, W) contiguous output, x's dtype
     rows_ptr,  # (H,) int32 grid row of each pixel row
     cols_ptr,  # (W,) int32 grid column of each pixel column
-    sx_b,  # x stride over the batch
-    sx_c,  # x stride over channels
-    sx_h,  # x stride over rows
-    sx_w,  # x stride over columns
-    sr_b,  # reference stride over the batch
-    sr_c,  # reference stride over channels
-    sr_h,  # reference stride over rows
-    sr_w,  # reference stride over columns
+    stride_xb,  # x stride over the batch
+    stride_xc,  # x stride over channels
+    stride_xh,  # x stride over rows
+    stride_xw,  # x stride over columns
+    stride_rb,  # reference stride over the batch
+    stride_rc,  # reference stride over channels
+    stride_rh,  # reference stride over rows
+    stride_rw,  # reference stride over columns
     S,  # number of masks
     C,  # channels
     H,  # height
@@ -368,15 +367,18 @@ def _blend_fwd_kernel(
     BLOCK_S: tl.constexpr,  # masks per program (power of two); grid axis 2 tiles S
     BLOCK_P: tl.constexpr,  # pixels per program
 ):
-    # A program owns (image, pixel block, mask block) for every channel: the mask values of each pixel are gathered
-    # once from the tiny grid, and each output element is written once.
-    b = tl.program_id(1).to(tl.int64)
-    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    """``out[b, s, c, y, x] = x + m[b, s, cell(y, x)] * (r - x)`` (torch.lerp's two-sided form).
+
+    A program owns (image, pixel block, mask block) for every channel: the mask values of each pixel are gathered
+    once from the tiny grid, and each output element is written once.
+    """
+    b = _pid(1)
+    p = _pid(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     p_ok = p < H * W
     h = p // W
     w = p % W
     cell = tl.load(rows_ptr + h, mask=p_ok, other=0) * G + tl.load(cols_ptr + w, mask=p_ok, other=0)
-    s = tl.program_id(2).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    s = _pid(2) * BLOCK_S + tl.arange(0, BLOCK_S)
     ok = (s < S)[:, None] & p_ok[None, :]
     m = tl.load(m_ptr + b * S * G * G + s[:, None] * G * G + cell[None, :], mask=ok, other=0.0).to(ACC)
     # torch.lerp's two-sided form: exact x at m = 0 and exact r at m = 1.
@@ -385,8 +387,12 @@ def _blend_fwd_kernel(
     hw = H * W
     out_base = out_ptr + b * S * C * hw + s[:, None] * C * hw + p[None, :]
     for c in range(0, C):
-        xv = tl.load(x_ptr + b * sx_b + c * sx_c + h * sx_h + w * sx_w, mask=p_ok, other=0.0).to(ACC)
-        rv = tl.load(r_ptr + b * sr_b + c * sr_c + h * sr_h + w * sr_w, mask=p_ok, other=0.0).to(ACC)
+        xv = tl.load(x_ptr + b * stride_xb + c * stride_xc + h * stride_xh + w * stride_xw, mask=p_ok, other=0.0).to(
+            ACC
+        )
+        rv = tl.load(r_ptr + b * stride_rb + c * stride_rc + h * stride_rh + w * stride_rw, mask=p_ok, other=0.0).to(
+            ACC
+        )
         d = (rv - xv)[None, :]
         val = coeff * d + tl.where(low, xv[None, :], rv[None, :])
         tl.store(out_base + c * hw, val.to(out_ptr.dtype.element_ty), mask=ok)
@@ -403,14 +409,14 @@ def _blend_bwd_kernel(
     dm_ptr,  # (B, S, g, g) contiguous gradient of the masks, their dtype
     row_start_ptr,  # (g + 1,) int32 cell row boundaries
     col_start_ptr,  # (g + 1,) int32 cell column boundaries
-    sx_b,  # x stride over the batch
-    sx_c,  # x stride over channels
-    sx_h,  # x stride over rows
-    sx_w,  # x stride over columns
-    sr_b,  # reference stride over the batch
-    sr_c,  # reference stride over channels
-    sr_h,  # reference stride over rows
-    sr_w,  # reference stride over columns
+    stride_xb,  # x stride over the batch
+    stride_xc,  # x stride over channels
+    stride_xh,  # x stride over rows
+    stride_xw,  # x stride over columns
+    stride_rb,  # reference stride over the batch
+    stride_rc,  # reference stride over channels
+    stride_rh,  # reference stride over rows
+    stride_rw,  # reference stride over columns
     S,  # number of masks
     C,  # channels
     H,  # height
@@ -420,13 +426,19 @@ def _blend_bwd_kernel(
     BLOCK_S: tl.constexpr,  # masks per step (power of two); larger S loops over mask blocks
     BLOCK_P: tl.constexpr,  # pixels of the cell per step
 ):
-    # A program owns one (image, cell): it reduces the cell's mask gradients in registers and writes dx, dr for the
-    # cell's pixels, which no other program touches. No atomics, deterministic, and the output gradient (the big
-    # tensor) is read exactly once. Mask blocks are the outer loop so one block's dm stays in registers; dx and dr
-    # then collect their sums over S in place across the blocks (the launcher gives them a float32 buffer when
-    # there is more than one block, so half-precision outputs round once).
-    cell = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    """Adjoint of the blend for one (image, cell), g = dL/dout:
+
+        dm[b, s, cell] = sum_{c, (y, x) in cell} g[b, s, c, y, x] * (r - x)[b, c, y, x]
+        dx[b, c, y, x] = sum_s g[b, s, c, y, x] * (1 - m[b, s, cell]);   dr = sum_s g * m
+
+    The program reduces the cell's mask gradients in registers and writes dx, dr for the cell's pixels, which no
+    other program touches. No atomics, deterministic, and the output gradient (the big tensor) is read exactly
+    once. Mask blocks are the outer loop so one block's dm stays in registers; dx and dr then collect their sums
+    over S in place across the blocks (the launcher gives them a float32 buffer when there is more than one block,
+    so half-precision outputs round once).
+    """
+    cell = _pid(0)
+    b = _pid(1)
     cy = cell // G
     cx = cell % G
     y0 = tl.load(row_start_ptr + cy)
@@ -447,8 +459,12 @@ def _blend_bwd_kernel(
             p = h * W + w
             ok = s_ok[:, None] & p_ok[None, :]
             for c in range(0, C):
-                xv = tl.load(x_ptr + b * sx_b + c * sx_c + h * sx_h + w * sx_w, mask=p_ok, other=0.0).to(ACC)
-                rv = tl.load(r_ptr + b * sr_b + c * sr_c + h * sr_h + w * sr_w, mask=p_ok, other=0.0).to(ACC)
+                xv = tl.load(
+                    x_ptr + b * stride_xb + c * stride_xc + h * stride_xh + w * stride_xw, mask=p_ok, other=0.0
+                ).to(ACC)
+                rv = tl.load(
+                    r_ptr + b * stride_rb + c * stride_rc + h * stride_rh + w * stride_rw, mask=p_ok, other=0.0
+                ).to(ACC)
                 offs = b * S * C * hw + s[:, None] * C * hw + c * hw + p[None, :]
                 g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(ACC)
                 dm += tl.sum(g * (rv - xv)[None, :], axis=1)
@@ -493,7 +509,7 @@ def _region_pool_op(
     out = torch.empty((b, g, g), dtype=amap.dtype, device=amap.device)
     if out.numel() > 0:
         wrap_triton(_pool_fwd_kernel)[(g * g, b)](
-            amap, out, row_start, col_start, *amap.stride(), g, ACC=_tl_acc(amap.dtype), BLOCK=block
+            amap, out, row_start, col_start, *amap.stride(), g, ACC=tl_compute_dtype(amap.dtype), BLOCK=block
         )
     return out
 
@@ -508,7 +524,7 @@ def _region_pool_backward_op(
     if dmap.numel() > 0:
         grid = (triton.cdiv(h * w, _MAX_BLOCK), b)
         wrap_triton(_pool_bwd_kernel)[grid](
-            grad, dmap, rows, cols, row_start, col_start, h, w, g, ACC=_tl_acc(grad.dtype), BLOCK=_MAX_BLOCK
+            grad, dmap, rows, cols, row_start, col_start, h, w, g, ACC=tl_compute_dtype(grad.dtype), BLOCK=_MAX_BLOCK
         )
     return dmap
 
@@ -524,7 +540,7 @@ def _region_pool_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
     return dmap, None, None, None, None, None, None
 
 
-register_autograd("attr_engine::region_pool", _region_pool_backward, setup_context=_region_pool_setup)
+_region_pool_op.register_autograd(_region_pool_backward, setup_context=_region_pool_setup)
 
 
 @triton_op("attr_engine::soft_mask_blend", mutates_args=())
@@ -547,7 +563,7 @@ def _soft_mask_blend_op(
         block_s, block_p = _blend_blocks(n_masks, _MAX_BLEND_S, _BLEND_FWD_TILE)
         wrap_triton(_blend_fwd_kernel)[(triton.cdiv(h * w, block_p), b, triton.cdiv(n_masks, block_s))](
             x, reference, masks, out, rows, cols, *x.stride(), *reference.stride(), n_masks, c, h, w, g,
-            ACC=_tl_acc(x.dtype), BLOCK_S=block_s, BLOCK_P=block_p,
+            ACC=tl_compute_dtype(x.dtype), BLOCK_S=block_s, BLOCK_P=block_p,
         )  # fmt: skip
     return out
 
@@ -562,13 +578,14 @@ def _soft_mask_blend_backward_op(
     block_s, block_p = _blend_blocks(n_masks, _MAX_BLEND_BWD_S, _BLEND_BWD_TILE)
     # More than one mask block sums dx and dr in place over the blocks: in the accumulation dtype, cast once after.
     multi = n_masks > block_s
-    dx = torch.empty((b, c, h, w), dtype=_acc_dtype(x.dtype) if multi else x.dtype, device=x.device)
-    dr = torch.empty((b, c, h, w), dtype=_acc_dtype(reference.dtype) if multi else reference.dtype, device=x.device)
+    dx = torch.empty((b, c, h, w), dtype=compute_dtype(x.dtype) if multi else x.dtype, device=x.device)
+    dr = torch.empty((b, c, h, w), dtype=compute_dtype(reference.dtype) if multi else reference.dtype, device=x.device)
     dm = torch.empty_like(masks)
     if grad.numel() > 0:
         wrap_triton(_blend_bwd_kernel)[(g * g, b)](
             grad, x, reference, masks, dx, dr, dm, row_start, col_start, *x.stride(), *reference.stride(),
-            n_masks, c, h, w, g, ACC=_tl_acc(x.dtype), BLOCK_S=block_s, BLOCK_P=min(block_p, _cell_block(max_area)),
+            n_masks, c, h, w, g, ACC=tl_compute_dtype(x.dtype), BLOCK_S=block_s,
+            BLOCK_P=min(block_p, _cell_block(max_area)),
         )  # fmt: skip
     if multi:
         dx, dr = dx.to(x.dtype), dr.to(reference.dtype)
@@ -589,7 +606,7 @@ def _soft_mask_blend_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ..
     return dx, dr, dm, None, None, None, None, None
 
 
-register_autograd("attr_engine::soft_mask_blend", _soft_mask_blend_backward, setup_context=_soft_mask_blend_setup)
+_soft_mask_blend_op.register_autograd(_soft_mask_blend_backward, setup_context=_soft_mask_blend_setup)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
