@@ -63,3 +63,21 @@ def test_training_smooths_the_masks_and_attribution_does_not(monkeypatch: pytest
     maps = aha.attribute(x)
     deletion_insertion(clf, x, maps, clf(x).argmax(1), steps=4, protocol="aha")
     assert all(s == 0.0 for s in sigmas)
+
+
+def test_smoothed_objective_compiles_fullgraph_and_equals_eager() -> None:
+    """Training smooths by default, so the smoothed step must trace as one graph too (the blur's geometry is host
+    set-up inside the op, cached per shape)."""
+    clf = colour_classifier()
+    x, target = colour_images(3, size=16)
+    maps = torch.randn(3, 16, 16)
+    kw = dict(grid=4, fractions=torch.linspace(0, 1, 8), tau=0.3, n_iters=5, generator=5, offset=(0.25, 0.5))
+    compiled = torch.compile(soft_auc_loss, fullgraph=True, backend="aot_eager")
+    results = []
+    with kernels.set_backend("reference"):
+        for fn in (soft_auc_loss, compiled):
+            leaf = maps.clone().requires_grad_()
+            loss = fn(clf, x, leaf, target, torch.full_like(x, 0.5), mask_sigma=0.8, **kw).loss
+            results.append((loss.detach(), torch.autograd.grad(loss, leaf)[0]))
+    for e, o in zip(*results, strict=True):
+        torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-6)
