@@ -877,7 +877,8 @@ def region_pool(amap: Tensor, grid: int, offset: Sequence[float] = (0.0, 0.0)) -
 
 def _check_sigma(sigma: float, h: int, w: int) -> float:
     """A finite ``smooth_sigma`` >= 0 whose reflect padding (k // 2 px) fits inside the image, as F.pad requires."""
-    if isinstance(sigma, bool) or not isinstance(sigma, int | float) or not (math.isfinite(sigma) and sigma >= 0):
+    # Comparisons, not math.isfinite: torch.compile traces comparisons of a Python float argument, not isfinite.
+    if isinstance(sigma, bool) or not isinstance(sigma, int | float) or not 0.0 <= sigma < float("inf"):
         raise ValueError(f"smooth_sigma must be a finite number >= 0 (0 = no smoothing), got {sigma!r}")
     sigma = float(sigma)
     if sigma > 0:
