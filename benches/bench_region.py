@@ -2,6 +2,8 @@
 
 - eager: ``F.adaptive_avg_pool2d`` for pooling; ``F.interpolate`` of the masks to H x W, then
   ``x + up * (r - x)`` by broadcasting, with plain autograd (keeps the upsampled masks and output-sized temporaries).
+  With mask smoothing (``soft_mask_blend smooth``, sigma 1.0 as AHA trains at 224 px) the eager path is the
+  official one: ``F.pad(..., mode="reflect")``, a 7 x 7 ``F.conv2d`` of the upsampled masks and ``clamp(0, 1)``.
 - reference: :mod:`kernels.region`'s PyTorch path (segment sums; blend recomputes in its backward).
 - triton: the fused kernels (CUDA only).
 
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 
 from benches._common import DEVICE, peak_memory_mb, providers
 from kernels._backend import set_backend
-from kernels.region import region_pool, soft_mask_blend
+from kernels.region import gaussian_taps, region_pool, soft_mask_blend
 
 POOL_SHAPE: dict[str, object] = {"op": "region_pool", "batch": 32, "size": 224, "grid": 14}
 BLEND_SHAPE: dict[str, object] = {
@@ -30,14 +32,20 @@ BLEND_SHAPE: dict[str, object] = {
     "size": 224,
     "grid": 14,
 }
+BLEND_SMOOTH_SHAPE: dict[str, object] = {**BLEND_SHAPE, "sigma": 1.0}
 
 
 def _eager_pool(amap: torch.Tensor, grid: int) -> torch.Tensor:
     return F.adaptive_avg_pool2d(amap[:, None], grid)[:, 0]
 
 
-def _eager_blend(x: torch.Tensor, reference: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+def _eager_blend(x: torch.Tensor, reference: torch.Tensor, masks: torch.Tensor, sigma: float = 0.0) -> torch.Tensor:
     up = F.interpolate(masks, size=x.shape[-2:], mode="nearest")
+    if sigma > 0:  # the official AHA mask smoothing
+        taps = gaussian_taps(sigma).to(x)
+        k = taps.numel()
+        flat = F.pad(up.flatten(0, 1)[:, None], (k // 2,) * 4, mode="reflect")
+        up = F.conv2d(flat, (taps[:, None] * taps[None, :])[None, None]).view_as(up).clamp(0.0, 1.0)
     return x[:, None] + up[:, :, None] * (reference - x)[:, None]
 
 
@@ -50,6 +58,7 @@ def make_case(
     grid: int = 14,
     n_masks: int = 16,
     channels: int = 3,
+    sigma: float = 0.0,
 ) -> Callable[[], object]:
     """Inputs for one case and a zero-argument callable running one forward + backward of ``op`` with ``provider``."""
     if op == "region_pool":
@@ -65,7 +74,10 @@ def make_case(
             torch.rand(batch, n_masks, grid, grid, device=device, requires_grad=True),
         ]
         grad = torch.randn(batch, n_masks, channels, size, size, device=device)
-        fn = _eager_blend if provider == "eager" else soft_mask_blend
+        if provider == "eager":
+            fn = lambda x, r, m: _eager_blend(x, r, m, sigma)
+        else:
+            fn = lambda x, r, m: soft_mask_blend(x, r, m, smooth_sigma=sigma)
     else:
         raise ValueError(f"unknown op {op!r}")
     backend = "triton" if provider == "triton" else "reference"
@@ -81,7 +93,7 @@ def make_case(
 
 
 def _bench(benchmark: pytest.FixtureRequest, provider: str, device: str, shape: dict[str, object]) -> None:
-    benchmark.group = str(shape["op"])
+    benchmark.group = str(shape["op"]) + (" smooth" if shape.get("sigma") else "")
     benchmark.extra_info.update(shape)
     benchmark.extra_info["peak_mem_mb"] = round(peak_memory_mb(__name__, provider, device, **shape), 1)
     fn = make_case(provider, device=device, **shape)
@@ -97,3 +109,8 @@ def test_region_pool(benchmark: pytest.FixtureRequest, provider: str, device: st
 @pytest.mark.parametrize("provider", providers())
 def test_soft_mask_blend(benchmark: pytest.FixtureRequest, provider: str, device: str) -> None:
     _bench(benchmark, provider, device, BLEND_SHAPE)
+
+
+@pytest.mark.parametrize("provider", providers())
+def test_soft_mask_blend_smooth(benchmark: pytest.FixtureRequest, provider: str, device: str) -> None:
+    _bench(benchmark, provider, device, BLEND_SMOOTH_SHAPE)

@@ -4,7 +4,8 @@ Public ops (each differentiable where it matters; see each docstring for shapes)
 
 - :func:`sinkhorn` - batched log-domain Sinkhorn normalisation.
 - :func:`soft_topk_masks` - Gumbel-Sinkhorn soft top-k membership masks (the AHA soft-rank sorter).
-- :func:`region_pool` / :func:`soft_mask_blend` - grid pooling of maps and blending of images under grid masks.
+- :func:`region_pool` / :func:`soft_mask_blend` - grid pooling of maps and blending of images under grid masks
+  (optionally Gaussian-smoothed, as AHA trains).
 - :func:`soft_gate` / :func:`soft_maxpool2d` - exact activations whose backward uses a softened gate.
 
 :func:`set_backend` chooses between the Triton kernels and the references (see :mod:`kernels._backend`).

@@ -294,14 +294,22 @@ def _pool(size: int, g: int, dtype: torch.dtype, offset: tuple[float, float]) ->
     return run
 
 
-def _blend(size: int, g: int, s: int, dtype: torch.dtype, batch: int = 2) -> Callable[[], None]:
+def _blend(
+    size: int,
+    g: int,
+    s: int,
+    dtype: torch.dtype,
+    batch: int = 2,
+    sigma: float = 0.0,
+    offset: tuple[float, float] = (0.0, 0.0),
+) -> Callable[[], None]:
     def run() -> None:
         from kernels.region import soft_mask_blend
 
         x = torch.rand(batch, 3, size, size, dtype=dtype, requires_grad=True)
         ref = torch.zeros(1, 3, size, size, dtype=dtype).expand(batch, -1, -1, -1).requires_grad_(True)
         masks = torch.rand(batch, s, g, g, dtype=dtype, requires_grad=True)
-        _grad_of(soft_mask_blend(x, ref, masks), x, ref, masks)
+        _grad_of(soft_mask_blend(x, ref, masks, offset, smooth_sigma=sigma), x, ref, masks)
 
     return run
 
@@ -371,6 +379,25 @@ def scenarios(quick: bool = False) -> list[Scenario]:
     # The largest S on a small image: the kernels' configuration does not depend on the image size.
     big = _blend(8, 2, MAX_BLEND_MASKS, torch.float32, batch=1)
     out.append(Scenario(f"soft_mask_blend 8px g=2 S={MAX_BLEND_MASKS} (max S)", big))
+    # Mask smoothing as AHA trains (sigma 1.0 at 224 px, scaled with the side): every grid at 224 px, offsets (a
+    # short first cell widens the band of cells a pixel reaches), half dtypes, S = 2 / 64, and 64 / 32 px.
+    for g in grids:
+        sc = _blend(224, g, 16, torch.float32, sigma=1.0)
+        out.append(Scenario(f"soft_mask_blend 224px g={g} S=16 smooth", sc, default=True))
+    for g, off in ((7, (0.5, 0.5)), (28, (0.9, 0.1)), (28, (0.99, 0.99))):
+        sc = _blend(224, g, 16, torch.float32, sigma=1.0, offset=off)
+        out.append(Scenario(f"soft_mask_blend 224px g={g} S=16 smooth offset {off}", sc, default=True))
+    for dt in (torch.float16, torch.bfloat16):
+        sc = _blend(224, 14, 16, dt, sigma=1.0)
+        out.append(Scenario(f"soft_mask_blend 224px g=14 S=16 smooth {_dt(dt)}", sc, default=True))
+    for s in (2, 64):
+        sc = _blend(224, 28, s, torch.float32, sigma=1.0)
+        out.append(Scenario(f"soft_mask_blend 224px g=28 S={s} smooth", sc, default=True))
+    for size, g in ((64, 16), (32, 8)):
+        sc = _blend(size, g, 16, torch.float32, sigma=size / 224)
+        out.append(Scenario(f"soft_mask_blend {size}px g={g} S=16 smooth", sc, default=True))
+    big = _blend(8, 2, MAX_BLEND_MASKS, torch.float32, batch=1, sigma=1.0)
+    out.append(Scenario(f"soft_mask_blend 8px g=2 S={MAX_BLEND_MASKS} smooth (max S)", big))
     # Soft adjoint: every gate kind and dtype, the common pooling shapes.
     for kind in ("relu", "gelu", "gelu_tanh", "silu"):
         for dt in _DTYPES:

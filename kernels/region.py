@@ -3,7 +3,17 @@
 - :func:`region_pool`: (B, H, W) map -> (B, g, g) cell means. Backward: each pixel receives its cell's gradient
   divided by the cell's area.
 - :func:`soft_mask_blend`: image x and reference r (B, C, H, W), masks (B, S, g, g) ->
-  ``out[b, s] = x + up(m_s) * (r - x)``, (B, S, C, H, W), with ``up`` nearest upsampling onto the same cells.
+  ``out[b, s] = x + up(m_s) * (r - x)``, (B, S, C, H, W), with ``up`` nearest upsampling onto the same cells,
+  optionally followed by the official AHA training's mask smoothing (``smooth_sigma > 0``): a Gaussian blur with
+  reflect padding, clamped to [0, 1].
+
+Smoothing (:func:`blur_kernel_size`): a normalised 1-D Gaussian of ``2 * ceil(3 * sigma) + 1`` taps (the official
+code's default rule, 7 taps at sigma 1.0) along rows and columns, the image edge reflected (``F.pad`` mode
+"reflect"), then ``clamp(0, 1)``. Nearest upsampling and the blur are linear, so the blurred mask is
+``A_r @ M @ A_c^T`` with small (H, g) and (W, g) matrices whose row y holds, per cell, the Gaussian weight of the
+taps of pixel y that land in that cell after reflection. The reference multiplies by them; the kernels read each
+pixel's few non-zero entries (a band of 2D + 1 cells around the pixel's own cell) and combine the grid values
+in registers, so no (B, S, H, W) mask is ever written.
 
 Geometry (:func:`cell_index`): pixel row y belongs to grid row ``min(g - 1, floor((y * g + oy * H) / H))``, likewise
 for columns. With offset 0 the cells are the exact balanced partition ``floor(y * g / H)`` (F.interpolate's "nearest"
@@ -13,7 +23,8 @@ index maps are computed once on the host in float64 (and cached per shape, grid,
 fed from them (the reference as flat cell ids and membership matrices, the kernels as int32 maps and cell
 boundaries), so the reference and Triton agree exactly on which pixel belongs to which cell and on cell areas.
 
-Kernel offsets: the batch term is int64; offsets within one image (S * C * H * W elements) are int32.
+Kernel offsets: program ids are read as int64 (``kernels._tl_helpers._pid``), so every offset built from them is
+int64 and cannot overflow at large B * S * C * H * W.
 
 Layout: geometry -> references -> Triton kernels -> launchers (torch.library ops) -> autograd wiring -> public ops.
 """
@@ -21,15 +32,17 @@ Layout: geometry -> references -> Triton kernels -> launchers (torch.library ops
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.library import register_autograd, triton_op, wrap_triton
+from torch.library import custom_op, triton_op, wrap_triton
 
 from kernels._backend import tl, triton, use_triton
+from kernels._tl_helpers import _pid, compute_dtype, tl_compute_dtype
 from kernels._validate import check_int_at_least, check_offset, check_same, check_tensor
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -101,13 +114,63 @@ def _grid(h: int, w: int, g: int, oy: float, ox: float, device: torch.device) ->
     )
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 accumulation for every I/O dtype except float64 (kept exact for gradcheck)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def blur_kernel_size(sigma: float) -> int:
+    """Taps of the Gaussian mask blur for ``sigma`` > 0: ``2 * ceil(3 * sigma) + 1`` (the official rule; 7 at 1.0)."""
+    return 2 * math.ceil(3.0 * sigma) + 1
 
 
-def _tl_acc(dtype: torch.dtype) -> Any:
-    return tl.float64 if dtype == torch.float64 else tl.float32
+def gaussian_taps(sigma: float) -> Tensor:
+    """(k,) float64 normalised 1-D Gaussian, k = :func:`blur_kernel_size`; tap t sits at offset t - k // 2."""
+    k = blur_kernel_size(sigma)
+    pos = torch.arange(k, dtype=torch.float64) - (k - 1) / 2.0
+    taps = torch.exp(-pos * pos / (2.0 * sigma * sigma))
+    return taps / taps.sum()
+
+
+def _blur_cells(size: int, g: int, frac: float, sigma: float) -> tuple[Tensor, Tensor]:
+    """Nearest upsampling followed by the reflect-padded blur, along one axis.
+
+    Returns:
+        A: (size, g) float64, ``A[y, c]`` = total weight of pixel y's taps that land in cell c (rows sum to 1).
+        band: (size, 2D + 1) float64, ``band[y, d + D] = A[y, cell(y) + d]``: the same weights relative to the
+            pixel's own cell, D the farthest cell any pixel reaches.
+    """
+    taps = gaussian_taps(sigma)
+    r = taps.numel() // 2
+    cells = cell_index(size, g, frac)
+    pos = (torch.arange(size)[:, None] + torch.arange(-r, r + 1)[None, :]).abs()  # reflect at 0: -d -> d
+    pos = torch.where(pos > size - 1, 2 * (size - 1) - pos, pos)  # and at the far edge: size - 1 + d -> size - 1 - d
+    tap_cells = cells[pos]  # (size, k)
+    weights = taps.expand(size, -1)
+    a = torch.zeros(size, g, dtype=torch.float64).scatter_add_(1, tap_cells, weights)
+    rel = tap_cells - cells[:, None]
+    reach = int(rel.abs().max())
+    band = torch.zeros(size, 2 * reach + 1, dtype=torch.float64).scatter_add_(1, rel + reach, weights)
+    return a, band
+
+
+@dataclass(frozen=True, eq=False)
+class _Smoothing:
+    """The blur of one (H, W, g, offset, sigma) grid, on one device: dense matrices (reference), bands (kernels)."""
+
+    # accumulation dtype -> matrices for _reduce_cells: (A_r (H, g), A_c^T (g, W)) up, (A_r^T (g, H), A_c (W, g)) down
+    up: dict[torch.dtype, tuple[Tensor, Tensor]]
+    down: dict[torch.dtype, tuple[Tensor, Tensor]]
+    row_band: dict[torch.dtype, Tensor]  # (H, 2 D_r + 1) contiguous
+    col_band: dict[torch.dtype, Tensor]  # (W, 2 D_c + 1) contiguous
+
+
+@functools.lru_cache(maxsize=64)
+def _smoothing(h: int, w: int, g: int, oy: float, ox: float, sigma: float, device: torch.device) -> _Smoothing:
+    a_r, band_r = _blur_cells(h, g, oy, sigma)
+    a_c, band_c = _blur_cells(w, g, ox, sigma)
+    dts = (torch.float32, torch.float64)
+    return _Smoothing(
+        up={dt: (a_r.to(device, dt), a_c.T.contiguous().to(device, dt)) for dt in dts},
+        down={dt: (a_r.T.contiguous().to(device, dt), a_c.to(device, dt)) for dt in dts},
+        row_band={dt: band_r.to(device, dt) for dt in dts},
+        col_band={dt: band_c.to(device, dt) for dt in dts},
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -145,20 +208,34 @@ def _region_pool_reference(amap: Tensor, grid: _Grid) -> Tensor:
     Memory: reads the map once (plus one float32 copy for half inputs), writes (B, H, g) and (B, g, g); autograd
     keeps nothing of size (B, H, W).
     """
-    acc = _acc_dtype(amap.dtype)
+    acc = compute_dtype(amap.dtype)
     return _reduce_cells(amap.to(acc), grid.means[acc]).to(amap.dtype)
 
 
-def _blend_reference_forward(x: Tensor, reference: Tensor, masks: Tensor, grid: _Grid) -> Tensor:
+def _pixel_masks(
+    masks: Tensor, grid: _Grid, smooth: _Smoothing | None, acc: torch.dtype
+) -> tuple[Tensor, Tensor | None]:
+    """Per-pixel masks (B, S, H, W) in ``acc``: nearest upsampling, or its blur ``A_r @ M @ A_c^T`` clamped to
+    [0, 1]; with the blur also where the clamp lets the gradient through (torch.clamp's rule: 0 <= raw <= 1)."""
+    if smooth is None:
+        return _upsample(masks.to(acc), grid), None
+    raw = _reduce_cells(masks.to(acc), smooth.up[acc])
+    keep = (raw >= 0.0) & (raw <= 1.0)
+    return raw.clamp_(0.0, 1.0), keep
+
+
+def _blend_reference_forward(
+    x: Tensor, reference: Tensor, masks: Tensor, grid: _Grid, smooth: _Smoothing | None = None
+) -> Tensor:
     """``x + up(m_s) * (r - x)`` for every mask: (B, S, C, H, W); the backward saves only the inputs.
 
     Memory: writes the (B, S, C, H, W) output once, with one (B, S, H, W) upsampled mask as its only temporary (plus
     one float32 (B, C, H, W) slice at a time for half inputs). The naive broadcast formulation keeps the upsampled
     masks for autograd and creates several output-sized temporaries in both directions.
     """
-    acc = _acc_dtype(x.dtype)
+    acc = compute_dtype(x.dtype)
     xa, ra = x.to(acc), reference.to(acc)
-    up = _upsample(masks.to(acc), grid)  # (B, S, H, W)
+    up, _ = _pixel_masks(masks, grid, smooth, acc)  # (B, S, H, W)
     b, c, h, w = x.shape
     out = torch.empty((b, up.shape[1], c, h, w), dtype=x.dtype, device=x.device)
     # lerp switches to r - (r - x) * (1 - m) for m >= 0.5, so m = 0 gives x and m = 1 gives r exactly.
@@ -171,12 +248,19 @@ def _blend_reference_forward(x: Tensor, reference: Tensor, masks: Tensor, grid: 
 
 
 def _blend_reference_backward(
-    grad_out: Tensor, x: Tensor, reference: Tensor, masks: Tensor, grid: _Grid, need_masks: bool
+    grad_out: Tensor,
+    x: Tensor,
+    reference: Tensor,
+    masks: Tensor,
+    grid: _Grid,
+    need_masks: bool,
+    smooth: _Smoothing | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dx, dr, dmasks or None). Recomputes the upsampled masks and r - x and works one channel at a time, so its
-    temporaries are (B, S, H, W)-sized (1 / C of the output)."""
-    acc = _acc_dtype(x.dtype)
-    up = _upsample(masks.to(acc), grid)  # (B, S, H, W)
+    temporaries are (B, S, H, W)-sized (1 / C of the output). With smoothing, the per-pixel mask gradient passes
+    the clamp where 0 <= blur <= 1 and goes back to the cells through the transposed blur ``A_r^T @ . @ A_c``."""
+    acc = compute_dtype(x.dtype)
+    up, keep = _pixel_masks(masks, grid, smooth, acc)  # (B, S, H, W)
     diff = reference.to(acc) - x.to(acc)
     dr = torch.empty_like(diff)
     dup = torch.zeros_like(up) if need_masks else None
@@ -186,7 +270,11 @@ def _blend_reference_backward(
         if dup is not None:
             dup.addcmul_(g_c, diff[:, c, None])
     dx = grad_out.sum(1, dtype=acc).sub_(dr)  # sum_s g_s * (1 - m_s)
-    dm = None if dup is None else _reduce_cells(dup, grid.sums[acc]).to(masks.dtype)
+    dm = None
+    if dup is not None and smooth is None:
+        dm = _reduce_cells(dup, grid.sums[acc]).to(masks.dtype)
+    elif dup is not None:
+        dm = _reduce_cells(dup.mul_(keep), smooth.down[acc]).to(masks.dtype)
     return dx.to(x.dtype), dr.to(reference.dtype), dm
 
 
@@ -194,7 +282,7 @@ def _blend_reference_backward(
 # geometry's host-side set-up (cached per shape), and fullgraph=True traces the ops' callers.
 
 
-@torch.library.custom_op("attr_engine::region_pool_reference", mutates_args=())
+@custom_op("attr_engine::region_pool_reference", mutates_args=())
 def _region_pool_reference_op(amap: Tensor, g: int, oy: float, ox: float) -> Tensor:
     return _region_pool_reference(amap, _grid(amap.shape[1], amap.shape[2], g, oy, ox, amap.device))
 
@@ -204,11 +292,11 @@ def _(amap: Tensor, g: int, oy: float, ox: float) -> Tensor:
     return amap.new_empty(amap.shape[0], g, g)
 
 
-@torch.library.custom_op("attr_engine::region_pool_reference_backward", mutates_args=())
+@custom_op("attr_engine::region_pool_reference_backward", mutates_args=())
 def _region_pool_reference_backward_op(grad: Tensor, h: int, w: int, oy: float, ox: float) -> Tensor:
     """Each pixel receives its cell's gradient / area: ``row_mean^T @ grad @ col_mean^T``, (B, g, g) -> (B, H, W)."""
     geo = _grid(h, w, grad.shape[-1], oy, ox, grad.device)
-    acc = _acc_dtype(grad.dtype)
+    acc = compute_dtype(grad.dtype)
     row_mean, col_mean = geo.means[acc]
     return (row_mean.T @ grad.to(acc) @ col_mean.T).to(grad.dtype)
 
@@ -231,46 +319,57 @@ def _region_pool_reference_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | No
 _region_pool_reference_op.register_autograd(_region_pool_reference_backward, setup_context=_region_pool_reference_setup)
 
 
-@torch.library.custom_op("attr_engine::soft_mask_blend_reference", mutates_args=())
-def _soft_mask_blend_reference_op(x: Tensor, reference: Tensor, masks: Tensor, oy: float, ox: float) -> Tensor:
-    geo = _grid(x.shape[2], x.shape[3], masks.shape[2], oy, ox, x.device)
-    return _blend_reference_forward(x, reference, masks, geo)
+def _reference_geometry(
+    x: Tensor, masks: Tensor, oy: float, ox: float, sigma: float
+) -> tuple[_Grid, _Smoothing | None]:
+    h, w, g = x.shape[2], x.shape[3], masks.shape[2]
+    smooth = _smoothing(h, w, g, oy, ox, sigma, x.device) if sigma > 0 else None
+    return _grid(h, w, g, oy, ox, x.device), smooth
+
+
+@custom_op("attr_engine::soft_mask_blend_reference", mutates_args=())
+def _soft_mask_blend_reference_op(
+    x: Tensor, reference: Tensor, masks: Tensor, oy: float, ox: float, sigma: float
+) -> Tensor:
+    return _blend_reference_forward(x, reference, masks, *_reference_geometry(x, masks, oy, ox, sigma))
 
 
 @_soft_mask_blend_reference_op.register_fake
-def _(x: Tensor, reference: Tensor, masks: Tensor, oy: float, ox: float) -> Tensor:
+def _(x: Tensor, reference: Tensor, masks: Tensor, oy: float, ox: float, sigma: float) -> Tensor:
     b, c, h, w = x.shape
     return x.new_empty(b, masks.shape[1], c, h, w)
 
 
-@torch.library.custom_op("attr_engine::soft_mask_blend_reference_backward", mutates_args=())
+@custom_op("attr_engine::soft_mask_blend_reference_backward", mutates_args=())
 def _soft_mask_blend_reference_backward_op(
-    grad: Tensor, x: Tensor, reference: Tensor, masks: Tensor, oy: float, ox: float, need_masks: bool
+    grad: Tensor, x: Tensor, reference: Tensor, masks: Tensor, oy: float, ox: float, sigma: float, need_masks: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    geo = _grid(x.shape[2], x.shape[3], masks.shape[2], oy, ox, x.device)
-    dx, dr, dm = _blend_reference_backward(grad, x, reference, masks, geo, need_masks)
+    geo, smooth = _reference_geometry(x, masks, oy, ox, sigma)
+    dx, dr, dm = _blend_reference_backward(grad, x, reference, masks, geo, need_masks, smooth)
     return dx, dr, dm if dm is not None else masks.new_empty(0)
 
 
 @_soft_mask_blend_reference_backward_op.register_fake
-def _(grad: Tensor, x: Tensor, reference: Tensor, masks: Tensor, oy: float, ox: float, need_masks: bool) -> tuple:
+def _(
+    grad: Tensor, x: Tensor, reference: Tensor, masks: Tensor, oy: float, ox: float, sigma: float, need_masks: bool
+) -> tuple:
     dm = torch.empty_like(masks) if need_masks else masks.new_empty(0)
     return torch.empty_like(x), torch.empty(x.shape, dtype=reference.dtype, device=x.device), dm
 
 
 def _soft_mask_blend_reference_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-    x, reference, masks, oy, ox = inputs
+    x, reference, masks, oy, ox, sigma = inputs
     ctx.save_for_backward(x, reference, masks)
-    ctx.offset = (oy, ox)
+    ctx.offset, ctx.sigma = (oy, ox), sigma
 
 
 def _soft_mask_blend_reference_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
     x, reference, masks = ctx.saved_tensors
     need_x, need_r, need_m = ctx.needs_input_grad[:3]
     dx, dr, dm = torch.ops.attr_engine.soft_mask_blend_reference_backward(
-        grad, x, reference, masks, *ctx.offset, bool(need_m)
+        grad, x, reference, masks, *ctx.offset, ctx.sigma, bool(need_m)
     )
-    return dx if need_x else None, dr if need_r else None, dm if need_m else None, None, None
+    return dx if need_x else None, dr if need_r else None, dm if need_m else None, None, None, None
 
 
 _soft_mask_blend_reference_op.register_autograd(
@@ -289,29 +388,32 @@ def _pool_fwd_kernel(
     out_ptr,  # (B, g, g) contiguous cell means, amap's dtype
     row_start_ptr,  # (g + 1,) int32: first pixel row of each grid row, then H
     col_start_ptr,  # (g + 1,) int32: first pixel column of each grid column, then W
-    stride_b,  # amap stride over the batch, in elements
-    stride_h,  # amap stride over rows
-    stride_w,  # amap stride over columns
+    stride_ab,  # amap stride over the batch, in elements
+    stride_ah,  # amap stride over rows
+    stride_aw,  # amap stride over columns
     G,  # grid size g
     ACC: tl.constexpr,  # accumulation dtype (float32, or float64 for float64 maps)
     BLOCK: tl.constexpr,  # pixels of the cell summed per step
 ):
-    # One program owns one (image, cell): the sum is a plain in-register reduction, no atomics, deterministic.
-    cell = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    """Cell mean ``out[b, cy, cx] = sum_{(y, x) in cell} amap[b, y, x] / area(cell)`` for one (image, cell).
+
+    One program owns one (image, cell): the sum is a plain in-register reduction, no atomics, deterministic.
+    """
+    cell = _pid(0)
+    b = _pid(1)
     cy = cell // G
     cx = cell % G
     y0 = tl.load(row_start_ptr + cy)
     x0 = tl.load(col_start_ptr + cx)
     cw = tl.load(col_start_ptr + cx + 1) - x0
     n = (tl.load(row_start_ptr + cy + 1) - y0) * cw
-    base = amap_ptr + b * stride_b
+    base = amap_ptr + b * stride_ab
     acc = tl.zeros([BLOCK], dtype=ACC)
     for start in range(0, n, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         yy = y0 + idx // cw
         xx = x0 + idx % cw
-        acc += tl.load(base + yy * stride_h + xx * stride_w, mask=idx < n, other=0.0).to(ACC)
+        acc += tl.load(base + yy * stride_ah + xx * stride_aw, mask=idx < n, other=0.0).to(ACC)
     mean = tl.sum(acc, axis=0) / n.to(ACC)
     tl.store(out_ptr + b * G * G + cell, mean.to(out_ptr.dtype.element_ty))
 
@@ -330,9 +432,12 @@ def _pool_bwd_kernel(
     ACC: tl.constexpr,  # arithmetic dtype
     BLOCK: tl.constexpr,  # pixels per program
 ):
-    # One program owns a block of pixels and gathers from the tiny grid: every output element is written once.
-    b = tl.program_id(1).to(tl.int64)
-    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    """Adjoint of the cell mean: ``dmap[b, y, x] = grad[b, cell(y, x)] / area(cell(y, x))``.
+
+    One program owns a block of pixels and gathers from the tiny grid: every output element is written once.
+    """
+    b = _pid(1)
+    p = _pid(0) * BLOCK + tl.arange(0, BLOCK)
     ok = p < H * W
     cy = tl.load(rows_ptr + p // W, mask=ok, other=0)
     cx = tl.load(cols_ptr + p % W, mask=ok, other=0)
@@ -351,42 +456,74 @@ def _blend_fwd_kernel(
     out_ptr,  # (B, S, C, H, W) contiguous output, x's dtype
     rows_ptr,  # (H,) int32 grid row of each pixel row
     cols_ptr,  # (W,) int32 grid column of each pixel column
-    sx_b,  # x stride over the batch
-    sx_c,  # x stride over channels
-    sx_h,  # x stride over rows
-    sx_w,  # x stride over columns
-    sr_b,  # reference stride over the batch
-    sr_c,  # reference stride over channels
-    sr_h,  # reference stride over rows
-    sr_w,  # reference stride over columns
+    rband_ptr,  # SMOOTH: (H, NBR) blur weights of each pixel row per cell row, relative to its own (else unused)
+    cband_ptr,  # SMOOTH: (W, NBC) blur weights of each pixel column per cell column (else unused)
+    stride_xb,  # x stride over the batch
+    stride_xc,  # x stride over channels
+    stride_xh,  # x stride over rows
+    stride_xw,  # x stride over columns
+    stride_rb,  # reference stride over the batch
+    stride_rc,  # reference stride over channels
+    stride_rh,  # reference stride over rows
+    stride_rw,  # reference stride over columns
     S,  # number of masks
     C,  # channels
     H,  # height
     W,  # width
     G,  # grid size g
     ACC: tl.constexpr,  # arithmetic dtype
+    SMOOTH: tl.constexpr,  # blur the upsampled masks (then clamp them to [0, 1])
+    NBR: tl.constexpr,  # SMOOTH: cell rows a pixel's blur reaches, 2 D_r + 1 (1 otherwise)
+    NBC: tl.constexpr,  # SMOOTH: cell columns a pixel's blur reaches, 2 D_c + 1 (1 otherwise)
     BLOCK_S: tl.constexpr,  # masks per program (power of two); grid axis 2 tiles S
     BLOCK_P: tl.constexpr,  # pixels per program
 ):
-    # A program owns (image, pixel block, mask block) for every channel: the mask values of each pixel are gathered
-    # once from the tiny grid, and each output element is written once.
-    b = tl.program_id(1).to(tl.int64)
-    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    """``out[b, s, c, y, x] = x + m~[b, s, y, x] * (r - x)`` (torch.lerp's two-sided form), where
+
+        m~ = m[b, s, cell(y, x)]                                                      (SMOOTH False)
+        m~ = clamp(sum_{a, e} Wr[y, a] Wc[x, e] m[b, s, cy(y) + a - D_r, cx(x) + e - D_c], 0, 1)    (SMOOTH)
+
+    Wr, Wc are the bands of the blur matrices (see the module docstring): the blurred mask of a pixel is a weighted
+    sum of the NBR x NBC grid cells around its own, gathered from the tiny grid in registers.
+
+    A program owns (image, pixel block, mask block) for every channel: the mask values of each pixel are computed
+    once, and each output element is written once.
+    """
+    b = _pid(1)
+    p = _pid(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     p_ok = p < H * W
     h = p // W
     w = p % W
-    cell = tl.load(rows_ptr + h, mask=p_ok, other=0) * G + tl.load(cols_ptr + w, mask=p_ok, other=0)
-    s = tl.program_id(2).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    s = _pid(2) * BLOCK_S + tl.arange(0, BLOCK_S)
     ok = (s < S)[:, None] & p_ok[None, :]
-    m = tl.load(m_ptr + b * S * G * G + s[:, None] * G * G + cell[None, :], mask=ok, other=0.0).to(ACC)
+    m_b = m_ptr + b * S * G * G + s[:, None] * G * G
+    cy = tl.load(rows_ptr + h, mask=p_ok, other=0)
+    cx = tl.load(cols_ptr + w, mask=p_ok, other=0)
+    if SMOOTH:
+        # Runtime loops over the taps, not static_range: unrolled, ptxas kept every tap's loads live (221-245
+        # registers forward, 24-32 B spilled backward); looped, one tap at a time (see the launchers' tiles).
+        m = tl.zeros([BLOCK_S, BLOCK_P], dtype=ACC)
+        for a in range(NBR):
+            wy = tl.load(rband_ptr + h * NBR + a, mask=p_ok, other=0.0).to(ACC)
+            ry = cy + (a - NBR // 2)
+            for e in range(NBC):
+                wx = tl.load(cband_ptr + w * NBC + e, mask=p_ok, other=0.0).to(ACC)
+                rx = cx + (e - NBC // 2)
+                near = p_ok & (ry >= 0) & (ry < G) & (rx >= 0) & (rx < G)
+                mv = tl.load(m_b + (ry * G + rx)[None, :], mask=ok & near[None, :], other=0.0).to(ACC)
+                m += mv * (wy * wx)[None, :]
+        m = tl.minimum(tl.maximum(m, 0.0), 1.0)
+    else:
+        m = tl.load(m_b + (cy * G + cx)[None, :], mask=ok, other=0.0).to(ACC)
     # torch.lerp's two-sided form: exact x at m = 0 and exact r at m = 1.
     low = tl.abs(m) < 0.5
     coeff = tl.where(low, m, m - 1.0)
     hw = H * W
     out_base = out_ptr + b * S * C * hw + s[:, None] * C * hw + p[None, :]
     for c in range(0, C):
-        xv = tl.load(x_ptr + b * sx_b + c * sx_c + h * sx_h + w * sx_w, mask=p_ok, other=0.0).to(ACC)
-        rv = tl.load(r_ptr + b * sr_b + c * sr_c + h * sr_h + w * sr_w, mask=p_ok, other=0.0).to(ACC)
+        xv = tl.load(x_ptr + b * stride_xb + c * stride_xc + h * stride_xh + w * stride_xw, mask=p_ok, other=0.0)
+        rv = tl.load(r_ptr + b * stride_rb + c * stride_rc + h * stride_rh + w * stride_rw, mask=p_ok, other=0.0)
+        xv, rv = xv.to(ACC), rv.to(ACC)
         d = (rv - xv)[None, :]
         val = coeff * d + tl.where(low, xv[None, :], rv[None, :])
         tl.store(out_base + c * hw, val.to(out_ptr.dtype.element_ty), mask=ok)
@@ -400,33 +537,49 @@ def _blend_bwd_kernel(
     m_ptr,  # (B, S, g, g) contiguous masks
     dx_ptr,  # (B, C, H, W) contiguous gradient of x, x's dtype
     dr_ptr,  # (B, C, H, W) contiguous gradient of the reference, its dtype
-    dm_ptr,  # (B, S, g, g) contiguous gradient of the masks, their dtype
+    dm_ptr,  # (B, S, g, g) contiguous gradient of the masks, their dtype; SMOOTH: (B, S, g, g, NBR, NBC) partials
     row_start_ptr,  # (g + 1,) int32 cell row boundaries
     col_start_ptr,  # (g + 1,) int32 cell column boundaries
-    sx_b,  # x stride over the batch
-    sx_c,  # x stride over channels
-    sx_h,  # x stride over rows
-    sx_w,  # x stride over columns
-    sr_b,  # reference stride over the batch
-    sr_c,  # reference stride over channels
-    sr_h,  # reference stride over rows
-    sr_w,  # reference stride over columns
+    rband_ptr,  # SMOOTH: (H, NBR) blur weights of each pixel row, relative to its own cell row (else unused)
+    cband_ptr,  # SMOOTH: (W, NBC) blur weights of each pixel column (else unused)
+    stride_xb,  # x stride over the batch
+    stride_xc,  # x stride over channels
+    stride_xh,  # x stride over rows
+    stride_xw,  # x stride over columns
+    stride_rb,  # reference stride over the batch
+    stride_rc,  # reference stride over channels
+    stride_rh,  # reference stride over rows
+    stride_rw,  # reference stride over columns
     S,  # number of masks
     C,  # channels
     H,  # height
     W,  # width
     G,  # grid size g
     ACC: tl.constexpr,  # accumulation dtype
+    SMOOTH: tl.constexpr,  # the forward blurred and clamped the masks
+    NBR: tl.constexpr,  # SMOOTH: cell rows a pixel's blur reaches (1 otherwise)
+    NBC: tl.constexpr,  # SMOOTH: cell columns a pixel's blur reaches (1 otherwise)
+    NB_POW2: tl.constexpr,  # next power of two of NBR * NBC (the partials' register tile)
     BLOCK_S: tl.constexpr,  # masks per step (power of two); larger S loops over mask blocks
     BLOCK_P: tl.constexpr,  # pixels of the cell per step
 ):
-    # A program owns one (image, cell): it reduces the cell's mask gradients in registers and writes dx, dr for the
-    # cell's pixels, which no other program touches. No atomics, deterministic, and the output gradient (the big
-    # tensor) is read exactly once. Mask blocks are the outer loop so one block's dm stays in registers; dx and dr
-    # then collect their sums over S in place across the blocks (the launcher gives them a float32 buffer when
-    # there is more than one block, so half-precision outputs round once).
-    cell = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    """Adjoint of the blend for one (image, cell), g = dL/dout, m~ the per-pixel mask of the forward:
+
+        dx[b, c, y, x] = sum_s g[b, s, c, y, x] * (1 - m~[b, s, y, x]);   dr = sum_s g * m~
+        e[b, s, y, x]  = sum_c g[b, s, c, y, x] * (r - x)[b, c, y, x]
+        dm[b, s, cell] = sum_{(y, x) in cell} e                                         (SMOOTH False)
+        SMOOTH: part[b, s, cell, a, e'] = sum_{(y, x) in cell} [0 <= m~raw <= 1] e Wr[y, a] Wc[x, e'], the share of
+                the cell's pixels in the gradient of cell (cy + a - D_r, cx + e' - D_c); the launcher adds the
+                shifted partials up (dm = A_r^T (e * clamp gate) A_c).
+
+    The program reduces the cell's mask gradients in registers and writes dx, dr for the cell's pixels, which no
+    other program touches. No atomics, deterministic, and the output gradient (the big tensor) is read exactly
+    once, with smoothing too (the partials carry the halo instead of a second read). Mask blocks are the outer loop
+    so one block's dm stays in registers; dx and dr then collect their sums over S in place across the blocks (the
+    launcher gives them a float32 buffer when there is more than one block, so half-precision outputs round once).
+    """
+    cell = _pid(0)
+    b = _pid(1)
     cy = cell // G
     cx = cell % G
     y0 = tl.load(row_start_ptr + cy)
@@ -437,8 +590,13 @@ def _blend_bwd_kernel(
     for s0 in range(0, S, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
         s_ok = s < S
-        m = tl.load(m_ptr + b * S * G * G + s * G * G + cell, mask=s_ok, other=0.0).to(ACC)[:, None]
-        dm = tl.zeros([BLOCK_S], dtype=ACC)
+        m_b = m_ptr + b * S * G * G + s * G * G
+        if SMOOTH:
+            part = tl.zeros([BLOCK_S, NB_POW2], dtype=ACC)
+            slot = tl.arange(0, NB_POW2)
+        else:
+            m = tl.load(m_b + cell, mask=s_ok, other=0.0).to(ACC)[:, None]
+            dm = tl.zeros([BLOCK_S], dtype=ACC)
         for start in range(0, n, BLOCK_P):
             idx = start + tl.arange(0, BLOCK_P)
             p_ok = idx < n
@@ -446,19 +604,55 @@ def _blend_bwd_kernel(
             w = x0 + idx % cw
             p = h * W + w
             ok = s_ok[:, None] & p_ok[None, :]
+            if SMOOTH:
+                raw = tl.zeros([BLOCK_S, BLOCK_P], dtype=ACC)
+                for a in range(NBR):
+                    wy = tl.load(rband_ptr + h * NBR + a, mask=p_ok, other=0.0).to(ACC)
+                    ry = cy + (a - NBR // 2)
+                    for e in range(NBC):
+                        wx = tl.load(cband_ptr + w * NBC + e, mask=p_ok, other=0.0).to(ACC)
+                        rx = cx + (e - NBC // 2)
+                        near = (ry >= 0) & (ry < G) & (rx >= 0) & (rx < G)
+                        mv = tl.load(m_b + ry * G + rx, mask=s_ok & near, other=0.0).to(ACC)
+                        raw += mv[:, None] * (wy * wx)[None, :]
+                mt = tl.minimum(tl.maximum(raw, 0.0), 1.0)
+                gm = tl.zeros([BLOCK_S, BLOCK_P], dtype=ACC)
+            else:
+                mt = m
             for c in range(0, C):
-                xv = tl.load(x_ptr + b * sx_b + c * sx_c + h * sx_h + w * sx_w, mask=p_ok, other=0.0).to(ACC)
-                rv = tl.load(r_ptr + b * sr_b + c * sr_c + h * sr_h + w * sr_w, mask=p_ok, other=0.0).to(ACC)
+                xv = tl.load(
+                    x_ptr + b * stride_xb + c * stride_xc + h * stride_xh + w * stride_xw, mask=p_ok, other=0.0
+                )
+                rv = tl.load(
+                    r_ptr + b * stride_rb + c * stride_rc + h * stride_rh + w * stride_rw, mask=p_ok, other=0.0
+                )
+                xv, rv = xv.to(ACC), rv.to(ACC)
                 offs = b * S * C * hw + s[:, None] * C * hw + c * hw + p[None, :]
                 g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(ACC)
-                dm += tl.sum(g * (rv - xv)[None, :], axis=1)
+                if SMOOTH:
+                    gm += g * (rv - xv)[None, :]
+                else:
+                    dm += tl.sum(g * (rv - xv)[None, :], axis=1)
                 out = b * C * hw + c * hw + p
                 # The first block starts the sums (the masked load reads nothing), later blocks add to them.
-                dx = tl.load(dx_ptr + out, mask=p_ok & (s0 > 0), other=0.0).to(ACC) + tl.sum(g * (1.0 - m), axis=0)
-                dr = tl.load(dr_ptr + out, mask=p_ok & (s0 > 0), other=0.0).to(ACC) + tl.sum(g * m, axis=0)
+                dx = tl.load(dx_ptr + out, mask=p_ok & (s0 > 0), other=0.0).to(ACC) + tl.sum(g * (1.0 - mt), axis=0)
+                dr = tl.load(dr_ptr + out, mask=p_ok & (s0 > 0), other=0.0).to(ACC) + tl.sum(g * mt, axis=0)
                 tl.store(dx_ptr + out, dx.to(dx_ptr.dtype.element_ty), mask=p_ok)
                 tl.store(dr_ptr + out, dr.to(dr_ptr.dtype.element_ty), mask=p_ok)
-        tl.store(dm_ptr + b * S * G * G + s * G * G + cell, dm.to(dm_ptr.dtype.element_ty), mask=s_ok)
+            if SMOOTH:
+                gm = tl.where((raw >= 0.0) & (raw <= 1.0), gm, 0.0)  # torch.clamp's gradient rule
+                for a in range(NBR):
+                    wy = tl.load(rband_ptr + h * NBR + a, mask=p_ok, other=0.0).to(ACC)
+                    for e in range(NBC):
+                        wx = tl.load(cband_ptr + w * NBC + e, mask=p_ok, other=0.0).to(ACC)
+                        share = tl.sum(gm * (wy * wx)[None, :], axis=1)
+                        part += tl.where(slot[None, :] == a * NBC + e, share[:, None], 0.0)
+        if SMOOTH:
+            nb = NBR * NBC
+            dst = dm_ptr + ((b * S + s[:, None]) * G * G + cell) * nb + slot[None, :]
+            tl.store(dst, part.to(dm_ptr.dtype.element_ty), mask=s_ok[:, None] & (slot[None, :] < nb))
+        else:
+            tl.store(dm_ptr + b * S * G * G + s * G * G + cell, dm.to(dm_ptr.dtype.element_ty), mask=s_ok)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -468,6 +662,10 @@ def _blend_bwd_kernel(
 _MAX_BLOCK = 1024  # elements per program step: enough to saturate a memory-bound loop, small enough for registers
 _BLEND_FWD_TILE = 4096  # BLOCK_S * BLOCK_P of the blend forward (~32 values per thread per temporary at 4 warps)
 _BLEND_BWD_TILE = 2048  # the backward keeps more tiles live (g, m, two products): half the forward's tile
+# With smoothing the backward also holds the blurred mask tile, the per-pixel mask gradient and its clamp gate:
+# at 2048 it spilled 144-240 B on both targets, at 1024 none (``python -m kernels.aot``). The forward keeps its
+# tile (the tap loops are runtime loops, so only one tap's tiles are live at a time: 128-160 registers, no spills).
+_BLEND_BWD_SMOOTH_TILE = 1024
 _MAX_BLEND_S = 64  # masks per program of the forward (grid axis 2 tiles S)
 _MAX_BLEND_BWD_S = 32  # masks per step of the backward (it loops over mask blocks)
 # Largest S accepted: grid axis 2 of the forward holds at most 65535 blocks, and beyond this the output (S blended
@@ -493,7 +691,7 @@ def _region_pool_op(
     out = torch.empty((b, g, g), dtype=amap.dtype, device=amap.device)
     if out.numel() > 0:
         wrap_triton(_pool_fwd_kernel)[(g * g, b)](
-            amap, out, row_start, col_start, *amap.stride(), g, ACC=_tl_acc(amap.dtype), BLOCK=block
+            amap, out, row_start, col_start, *amap.stride(), g, ACC=tl_compute_dtype(amap.dtype), BLOCK=block
         )
     return out
 
@@ -508,7 +706,7 @@ def _region_pool_backward_op(
     if dmap.numel() > 0:
         grid = (triton.cdiv(h * w, _MAX_BLOCK), b)
         wrap_triton(_pool_bwd_kernel)[grid](
-            grad, dmap, rows, cols, row_start, col_start, h, w, g, ACC=_tl_acc(grad.dtype), BLOCK=_MAX_BLOCK
+            grad, dmap, rows, cols, row_start, col_start, h, w, g, ACC=tl_compute_dtype(grad.dtype), BLOCK=_MAX_BLOCK
         )
     return dmap
 
@@ -524,7 +722,27 @@ def _region_pool_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
     return dmap, None, None, None, None, None, None
 
 
-register_autograd("attr_engine::region_pool", _region_pool_backward, setup_context=_region_pool_setup)
+_region_pool_op.register_autograd(_region_pool_backward, setup_context=_region_pool_setup)
+
+
+def _band_args(rows: Tensor, cols: Tensor, row_band: Tensor, col_band: Tensor) -> tuple[Tensor, Tensor, dict]:
+    """Band pointers and constexprs of the blend kernels. Without smoothing the bands are empty and the kernels
+    never read them: the int32 index maps stand in for the pointers (an empty tensor may have no address)."""
+    if row_band.numel() == 0:
+        return rows, cols, dict(SMOOTH=False, NBR=1, NBC=1)
+    return row_band, col_band, dict(SMOOTH=True, NBR=row_band.shape[1], NBC=col_band.shape[1])
+
+
+def _sum_band_partials(part: Tensor, g: int) -> Tensor:
+    """(B, S, g, g, NBR, NBC) partials -> (B, S, g, g): ``part[..., cy, cx, a, e]`` belongs to cell
+    (cy + a - D_r, cx + e - D_c); shares that land outside the grid have zero weight and are cropped."""
+    b, n_masks, _, _, nbr, nbc = part.shape
+    dr_, dc_ = nbr // 2, nbc // 2
+    out = part.new_zeros(b, n_masks, g + 2 * dr_, g + 2 * dc_)
+    for a in range(nbr):
+        for e in range(nbc):
+            out[:, :, a : a + g, e : e + g] += part[..., a, e]
+    return out[:, :, dr_ : dr_ + g, dc_ : dc_ + g]
 
 
 @triton_op("attr_engine::soft_mask_blend", mutates_args=())
@@ -537,59 +755,84 @@ def _soft_mask_blend_op(
     row_start: Tensor,
     col_start: Tensor,
     max_area: int,
+    row_band: Tensor,
+    col_band: Tensor,
 ) -> Tensor:
-    # row_start / col_start / max_area serve the backward, which finds them in its inputs.
+    # row_start / col_start / max_area serve the backward, which finds them in its inputs. row_band / col_band:
+    # (H, 2 D_r + 1) and (W, 2 D_c + 1) blur bands in the accumulation dtype, empty without smoothing.
     b, c, h, w = x.shape
     n_masks, g = masks.shape[1], masks.shape[2]
     masks = masks.contiguous()
     out = torch.empty((b, n_masks, c, h, w), dtype=x.dtype, device=x.device)
     if out.numel() > 0:
+        rband, cband, smooth = _band_args(rows, cols, row_band, col_band)
         block_s, block_p = _blend_blocks(n_masks, _MAX_BLEND_S, _BLEND_FWD_TILE)
         wrap_triton(_blend_fwd_kernel)[(triton.cdiv(h * w, block_p), b, triton.cdiv(n_masks, block_s))](
-            x, reference, masks, out, rows, cols, *x.stride(), *reference.stride(), n_masks, c, h, w, g,
-            ACC=_tl_acc(x.dtype), BLOCK_S=block_s, BLOCK_P=block_p,
+            x, reference, masks, out, rows, cols, rband, cband, *x.stride(), *reference.stride(), n_masks, c, h, w,
+            g, ACC=tl_compute_dtype(x.dtype), BLOCK_S=block_s, BLOCK_P=block_p, **smooth,
         )  # fmt: skip
     return out
 
 
 @triton_op("attr_engine::soft_mask_blend_backward", mutates_args=())
 def _soft_mask_blend_backward_op(
-    grad: Tensor, x: Tensor, reference: Tensor, masks: Tensor, row_start: Tensor, col_start: Tensor, max_area: int
+    grad: Tensor,
+    x: Tensor,
+    reference: Tensor,
+    masks: Tensor,
+    rows: Tensor,
+    cols: Tensor,
+    row_start: Tensor,
+    col_start: Tensor,
+    max_area: int,
+    row_band: Tensor,
+    col_band: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     b, c, h, w = x.shape
     n_masks, g = masks.shape[1], masks.shape[2]
     grad, masks = grad.contiguous(), masks.contiguous()
-    block_s, block_p = _blend_blocks(n_masks, _MAX_BLEND_BWD_S, _BLEND_BWD_TILE)
+    rband, cband, smooth = _band_args(rows, cols, row_band, col_band)
+    tile = _BLEND_BWD_SMOOTH_TILE if smooth["SMOOTH"] else _BLEND_BWD_TILE
+    block_s, block_p = _blend_blocks(n_masks, _MAX_BLEND_BWD_S, tile)
     # More than one mask block sums dx and dr in place over the blocks: in the accumulation dtype, cast once after.
     multi = n_masks > block_s
-    dx = torch.empty((b, c, h, w), dtype=_acc_dtype(x.dtype) if multi else x.dtype, device=x.device)
-    dr = torch.empty((b, c, h, w), dtype=_acc_dtype(reference.dtype) if multi else reference.dtype, device=x.device)
-    dm = torch.empty_like(masks)
+    acc = compute_dtype(x.dtype)
+    dx = torch.empty((b, c, h, w), dtype=acc if multi else x.dtype, device=x.device)
+    dr = torch.empty((b, c, h, w), dtype=compute_dtype(reference.dtype) if multi else reference.dtype, device=x.device)
+    nbr, nbc = smooth["NBR"], smooth["NBC"]
+    # With smoothing the kernel writes each cell's shares of its neighbours' gradients, summed here.
+    dm = torch.empty((b, n_masks, g, g, nbr, nbc), dtype=acc, device=x.device) if smooth["SMOOTH"] else None
+    dm_out = torch.empty_like(masks) if dm is None else dm
     if grad.numel() > 0:
         wrap_triton(_blend_bwd_kernel)[(g * g, b)](
-            grad, x, reference, masks, dx, dr, dm, row_start, col_start, *x.stride(), *reference.stride(),
-            n_masks, c, h, w, g, ACC=_tl_acc(x.dtype), BLOCK_S=block_s, BLOCK_P=min(block_p, _cell_block(max_area)),
+            grad, x, reference, masks, dx, dr, dm_out, row_start, col_start, rband, cband, *x.stride(),
+            *reference.stride(), n_masks, c, h, w, g, ACC=tl_compute_dtype(x.dtype), BLOCK_S=block_s,
+            BLOCK_P=min(block_p, _cell_block(max_area)), NB_POW2=triton.next_power_of_2(nbr * nbc), **smooth,
         )  # fmt: skip
+    else:
+        dm_out.zero_()
     if multi:
         dx, dr = dx.to(x.dtype), dr.to(reference.dtype)
-    return dx, dr, dm
+    if dm is not None:
+        dm_out = _sum_band_partials(dm, g).to(masks.dtype)
+    return dx, dr, dm_out
 
 
 def _soft_mask_blend_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-    x, reference, masks, _, _, row_start, col_start, max_area = inputs
-    ctx.save_for_backward(x, reference, masks, row_start, col_start)
+    x, reference, masks, rows, cols, row_start, col_start, max_area, row_band, col_band = inputs
+    ctx.save_for_backward(x, reference, masks, rows, cols, row_start, col_start, row_band, col_band)
     ctx.max_area = max_area
 
 
 def _soft_mask_blend_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-    x, reference, masks, row_start, col_start = ctx.saved_tensors
+    x, reference, masks, rows, cols, row_start, col_start, row_band, col_band = ctx.saved_tensors
     dx, dr, dm = torch.ops.attr_engine.soft_mask_blend_backward(
-        grad, x, reference, masks, row_start, col_start, ctx.max_area
+        grad, x, reference, masks, rows, cols, row_start, col_start, ctx.max_area, row_band, col_band
     )
-    return dx, dr, dm, None, None, None, None, None
+    return dx, dr, dm, None, None, None, None, None, None, None
 
 
-register_autograd("attr_engine::soft_mask_blend", _soft_mask_blend_backward, setup_context=_soft_mask_blend_setup)
+_soft_mask_blend_op.register_autograd(_soft_mask_blend_backward, setup_context=_soft_mask_blend_setup)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -632,8 +875,30 @@ def region_pool(amap: Tensor, grid: int, offset: Sequence[float] = (0.0, 0.0)) -
     return torch.ops.attr_engine.region_pool_reference(amap, g, oy, ox)
 
 
+def _check_sigma(sigma: float, h: int, w: int) -> float:
+    """A finite ``smooth_sigma`` >= 0 whose reflect padding (k // 2 px) fits inside the image, as F.pad requires."""
+    # Comparisons, not math.isfinite: torch.compile traces comparisons of a Python float argument, not isfinite.
+    if isinstance(sigma, bool) or not isinstance(sigma, int | float) or not 0.0 <= sigma < float("inf"):
+        raise ValueError(f"smooth_sigma must be a finite number >= 0 (0 = no smoothing), got {sigma!r}")
+    sigma = float(sigma)
+    if sigma > 0:
+        k = blur_kernel_size(sigma)
+        if k // 2 >= min(h, w):
+            raise ValueError(
+                f"smooth_sigma {sigma} needs a {k}-tap blur whose reflect padding ({k // 2} px) must be smaller than "
+                f"the image side min(H, W) = {min(h, w)}"
+            )
+    return sigma
+
+
 def soft_mask_blend(
-    x: Tensor, reference: Tensor, masks: Tensor, offset: Sequence[float] = (0.0, 0.0), *, validate: bool = True
+    x: Tensor,
+    reference: Tensor,
+    masks: Tensor,
+    offset: Sequence[float] = (0.0, 0.0),
+    *,
+    smooth_sigma: float = 0.0,
+    validate: bool = True,
 ) -> Tensor:
     """Blend each image towards its reference under S grid masks: ``out[b, s] = x + up(m_s) * (reference - x)``.
 
@@ -644,16 +909,21 @@ def soft_mask_blend(
         masks: (B, S, g, g) finite soft masks (any float dtype; arithmetic in float32, float64 for float64 ``x``),
             with 1 <= g <= min(H, W); ``up`` is nearest upsampling onto the same cells as :func:`region_pool`.
         offset: (oy, ox) grid offset, each in [0, 1), as in :func:`region_pool`.
+        smooth_sigma: 0 (default) blends with the upsampled masks as they are. > 0 smooths them as the official AHA
+            training does: a Gaussian blur of standard deviation ``smooth_sigma`` px with
+            :func:`blur_kernel_size` taps (``2 * ceil(3 * sigma) + 1``: 7 at 1.0), reflect padding, then
+            ``clamp(0, 1)``; ``up(m_s)`` above is then that blurred mask. Needs ``k // 2 < min(H, W)``.
         validate: also check that the masks are finite. That check reads them, a host-device synchronisation on a
             GPU: engine loops validate once at their entry point and pass False.
 
     Returns:
         (B, S, C, H, W) in ``x``'s dtype. For finite x and reference, a mask value of exactly 0 returns x and
-        exactly 1 returns the reference, bit for bit (up to the sign of a zero). Differentiable with respect to x,
-        reference and masks.
+        exactly 1 returns the reference, bit for bit (up to the sign of a zero); with smoothing, where the blurred
+        mask is exactly 0 or 1. Differentiable with respect to x, reference and masks.
 
     Raises:
-        ValueError: bad ranks, dtypes, devices, shapes, grid size, non-finite masks, or offset outside [0, 1).
+        ValueError: bad ranks, dtypes, devices, shapes, grid size, non-finite masks, offset outside [0, 1), or a
+            negative, non-finite or (for the image) too wide ``smooth_sigma``.
     """
     check_tensor(x, "x", ndim=4)
     check_tensor(reference, "reference", ndim=4)
@@ -671,14 +941,20 @@ def soft_mask_blend(
     if masks.shape[2] != masks.shape[3]:
         raise ValueError(f"masks must be (B, S, g, g) on a square grid, got shape {tuple(masks.shape)}")
     g = _check_grid(masks.shape[2], h, w, "masks grid size")
+    sigma = _check_sigma(smooth_sigma, h, w)
     check_tensor(masks, "masks", finite=validate)
     oy, ox = check_offset(offset)
     if use_triton(x, reference, masks):
         geo = _grid(h, w, g, oy, ox, x.device)
+        if sigma > 0:
+            blur, acc = _smoothing(h, w, g, oy, ox, sigma, x.device), compute_dtype(x.dtype)
+            row_band, col_band = blur.row_band[acc], blur.col_band[acc]
+        else:
+            row_band = col_band = geo.rows.new_empty(0, 1, dtype=compute_dtype(x.dtype))
         return torch.ops.attr_engine.soft_mask_blend(
-            x, reference, masks, geo.rows, geo.cols, geo.row_start, geo.col_start, geo.max_area
+            x, reference, masks, geo.rows, geo.cols, geo.row_start, geo.col_start, geo.max_area, row_band, col_band
         )
-    return torch.ops.attr_engine.soft_mask_blend_reference(x, reference, masks, oy, ox)
+    return torch.ops.attr_engine.soft_mask_blend_reference(x, reference, masks, oy, ox, sigma)
 
 
-__all__ = ["MAX_BLEND_MASKS", "cell_index", "region_pool", "soft_mask_blend"]
+__all__ = ["MAX_BLEND_MASKS", "blur_kernel_size", "cell_index", "gaussian_taps", "region_pool", "soft_mask_blend"]

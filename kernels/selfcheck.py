@@ -54,6 +54,10 @@ def _cases(quick: bool, cuda: bool) -> list[Case]:
         x, r, m = rand(b, 3, h, h).to(device), rand(b, 3, h, h).to(device), rand(b, s, g, g).to(device)
         return [x, r, m], lambda x, r, m: kernels.soft_mask_blend(x, r, m, (0.25, 0.5))
 
+    def blend_smooth(device: str):
+        inputs, _ = blend(device)
+        return inputs, lambda x, r, m: kernels.soft_mask_blend(x, r, m, (0.25, 0.5), smooth_sigma=1.0)
+
     def gate(device: str):
         shape = (32, 64, 56, 56) if big else (3, 5, 7, 9)
         return [torch.randn(*shape, generator=gen).to(device)], lambda z: kernels.soft_gate(z, "gelu", 1.0)
@@ -67,6 +71,7 @@ def _cases(quick: bool, cuda: bool) -> list[Case]:
         Case("soft_topk_masks", soft_topk),
         Case("region_pool", region_pool),
         Case("soft_mask_blend", blend),
+        Case("soft_mask_blend smooth", blend_smooth),
         Case("soft_gate", gate),
         Case("soft_maxpool2d", maxpool),
     ]
@@ -105,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if cuda else "cpu"
     mode = f"CUDA ({torch.cuda.get_device_name()})" if cuda else "CPU, Triton interpreter"
     print(f"attr-engine kernel self-check on {mode}")
-    header = f"{'op':<17} {'max |fwd diff|':>15} {'max |grad diff|':>16} {'reference ms':>13} {'triton ms':>10}  status"
+    header = f"{'op':<22} {'max |fwd diff|':>15} {'max |grad diff|':>16} {'reference ms':>13} {'triton ms':>10}  status"
     print(header)
     print("-" * len(header))
     failures = 0
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         ref_ms = _time(inputs, fn, "reference", g, 3)
         tri_ms = _time(inputs, fn, "triton", g, 3 if cuda else 1)
         status = "ok" if ok else "MISMATCH"
-        print(f"{case.name:<17} {fwd:>15.2e} {grad:>16.2e} {ref_ms:>13.2f} {tri_ms:>10.2f}  {status}")
+        print(f"{case.name:<22} {fwd:>15.2e} {grad:>16.2e} {ref_ms:>13.2f} {tri_ms:>10.2f}  {status}")
     print("all ops agree" if not failures else f"{failures} op(s) disagree")
     return 1 if failures else 0
 

@@ -46,10 +46,10 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
-from torch.library import register_autograd, triton_op, wrap_triton
+from torch.library import triton_op, wrap_triton
 
 from kernels._backend import tl, triton, use_triton
-from kernels._tl_helpers import _neg_lse, _online_lse
+from kernels._tl_helpers import _lse, _lse_normaliser, _neg_lse, _online_lse, _pid, compute_dtype
 from kernels._validate import check_int_at_least, check_positive, check_tensor
 
 # The reference works on slabs of the batch so that its N x N temporaries stay ~16 MiB (fp32) whatever B is.
@@ -59,11 +59,6 @@ _CHUNK_ELEMENTS = 1 << 22
 _MAX_REGISTER_N = 64
 _OWN = 32  # rows (or columns) one program of a tiled pass owns
 _STREAM = 64  # width of the tiles it streams over the other dimension
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # fp32 math for every I/O dtype; float64 stays float64 so that gradcheck sees an exact function.
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_inputs(log_alpha: Tensor, n_iters: int, tau: float, validate: bool = True) -> float:
@@ -98,7 +93,7 @@ def sinkhorn_eager(log_alpha: Tensor, n_iters: int = 20, tau: float = 1.0) -> Te
         (B, N, N) doubly-stochastic P in the dtype of ``log_alpha`` (fp32 math for half precision inputs).
     """
     tau = _check_inputs(log_alpha, n_iters, tau)
-    x = log_alpha.to(_compute_dtype(log_alpha.dtype)) / tau
+    x = log_alpha.to(compute_dtype(log_alpha.dtype)) / tau
     for _ in range(n_iters):
         x = x - torch.logsumexp(x, dim=-1, keepdim=True)
         x = x - torch.logsumexp(x, dim=-2, keepdim=True)
@@ -125,7 +120,7 @@ class _SinkhornReference(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, log_alpha: Tensor, n_iters: int, tau: float) -> Tensor:
         batch, n, _ = log_alpha.shape
-        cdtype = _compute_dtype(log_alpha.dtype)
+        cdtype = compute_dtype(log_alpha.dtype)
         u_all = torch.empty((batch, n_iters + 1, n), dtype=cdtype, device=log_alpha.device)
         v_all = torch.empty_like(u_all)
         p = torch.empty_like(log_alpha)
@@ -177,17 +172,8 @@ class _SinkhornReference(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Triton kernels: one program per batch element runs every iteration
+# Triton kernels. N <= 64: one program per batch element runs every iteration on a register-resident matrix.
 # ----------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _lse(x, axis: tl.constexpr):
-    """logsumexp along ``axis``; a padding lane (-inf throughout) gives 0, the value its potential is pinned to."""
-    m = tl.max(x, axis=axis)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.sum(tl.exp(x - tl.expand_dims(m, axis)), axis=axis)
-    return m + tl.log(tl.where(s > 0.0, s, 1.0))
 
 
 @triton.jit
@@ -202,9 +188,15 @@ def _sinkhorn_fwd_block_kernel(
     N,
     T,
     tau,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,  # padded N (power of two >= 16)
 ):
-    b = tl.program_id(0).to(tl.int64)
+    """The whole forward of one sample with its (BLOCK x BLOCK) matrix in registers:
+
+    K' = log_alpha / tau + u^0,  u^0_i = -max_j log_alpha_ij / tau,  v^0 = 0
+    for t = 1..T:  u^t_i = -LSE_j(K'_ij + v^(t-1)_j);  v^t_j = -LSE_i(K'_ij + u^t_i)
+    P_ij = exp(x_ij - m_j) / s_j,  x = K' + u^T, m_j and s_j its column max and sum of exp(x - m_j)
+    """
+    b = _pid(0)
     rows = tl.arange(0, BLOCK)
     cols = tl.arange(0, BLOCK)
     rmask = rows < N
@@ -257,106 +249,6 @@ def _k_tile(
 
 
 @triton.jit
-def _sinkhorn_rowmax_kernel(
-    la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
-    u_ptr,  # (B, T + 1, N) fp32 row potentials: slot 0 (the row shift u^0 = -max_j K) written here
-    stride_lb,  # log_alpha stride between batch elements
-    stride_li,  # log_alpha stride between rows
-    stride_lj,  # log_alpha stride between columns
-    N,
-    T,
-    tau,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < N
-    la_b = la_ptr + b * stride_lb
-    mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    for c0 in range(0, N, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        mask = rmask[:, None] & (cols < N)[None, :]
-        k = tl.load(la_b + rows[:, None] * stride_li + cols[None, :] * stride_lj, mask=mask, other=float("-inf"))
-        mx = tl.maximum(mx, tl.max(k.to(tl.float32) / tau, axis=1))
-    tl.store(u_ptr + b * (T + 1) * N + rows, -mx, mask=rmask)
-
-
-@triton.jit(do_not_specialize=["t"])
-def _sinkhorn_u_kernel(
-    la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
-    u_ptr,  # (B, T + 1, N) fp32 row potentials: slot t written here
-    v_ptr,  # (B, T + 1, N) fp32 column potentials: slot t - 1 read here
-    stride_lb,  # log_alpha stride between batch elements
-    stride_li,  # log_alpha stride between rows
-    stride_lj,  # log_alpha stride between columns
-    N,
-    T,
-    t,  # half-step pair index, 1..T (runtime: one compiled kernel for every iteration)
-    tau,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """u-step for this program's rows: u^t_i = -LSE_j(K'_ij + v^(t-1)_j), an online logsumexp over column tiles."""
-    b = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    la_b = la_ptr + b * stride_lb
-    pot_u = u_ptr + b * (T + 1) * N
-    v_prev = v_ptr + b * (T + 1) * N + (t - 1) * N
-    mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for c0 in range(0, N, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        x = _k_tile(la_b, pot_u, rows, cols, N, stride_li, stride_lj, tau)
-        x += tl.load(v_prev + cols, mask=cols < N, other=0.0)[None, :]
-        mx, acc = _online_lse(mx, acc, x, 1)
-    tl.store(pot_u + t * N + rows, _neg_lse(mx, acc), mask=rows < N)
-
-
-@triton.jit(do_not_specialize=["t"])
-def _sinkhorn_v_kernel(
-    la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
-    p_ptr,  # (B, N, N) output P, contiguous, log_alpha's dtype: written when t == T
-    u_ptr,  # (B, T + 1, N) fp32 row potentials: slots 0 and t read here
-    v_ptr,  # (B, T + 1, N) fp32 column potentials: slot t written here
-    stride_lb,  # log_alpha stride between batch elements
-    stride_li,  # log_alpha stride between rows
-    stride_lj,  # log_alpha stride between columns
-    N,
-    T,
-    t,  # half-step pair index, 1..T
-    tau,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """v-step for this program's columns: v^t_j = -LSE_i(K'_ij + u^t_i); at t = T also P = exp(x - m_j) / s_j."""
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < N
-    la_b = la_ptr + b * stride_lb
-    pot_u = u_ptr + b * (T + 1) * N
-    mx = tl.full([BLOCK_C], float("-inf"), dtype=tl.float32)
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for r0 in range(0, N, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        x = _k_tile(la_b, pot_u, rows, cols, N, stride_li, stride_lj, tau)
-        x += tl.load(pot_u + t * N + rows, mask=rows < N, other=0.0)[:, None]
-        mx, acc = _online_lse(mx, acc, x, 0)
-    tl.store(v_ptr + b * (T + 1) * N + t * N + cols, _neg_lse(mx, acc), mask=cmask)
-    if t == T:
-        # Normalise the last iterate's columns directly (not through the rounded v^T): columns sum to 1.
-        m_safe = tl.where(mx == float("-inf"), 0.0, mx)
-        inv_s = 1.0 / tl.where(acc > 0.0, acc, 1.0)
-        for r0 in range(0, N, BLOCK_R):
-            rows = r0 + tl.arange(0, BLOCK_R)
-            mask = (rows < N)[:, None] & cmask[None, :]
-            x = _k_tile(la_b, pot_u, rows, cols, N, stride_li, stride_lj, tau)
-            x += tl.load(pot_u + t * N + rows, mask=rows < N, other=0.0)[:, None]
-            p = tl.exp(x - m_safe[None, :]) * inv_s[None, :]
-            tl.store(p_ptr + b * N * N + rows[:, None] * N + cols[None, :], p.to(p_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _sinkhorn_bwd_block_kernel(
     la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
     g_ptr,  # (B, N, N) dL/dP, strided (a broadcast gradient may have zero strides)
@@ -372,9 +264,16 @@ def _sinkhorn_bwd_block_kernel(
     N,
     T,
     tau,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,  # padded N (power of two >= 16)
 ):
-    b = tl.program_id(0).to(tl.int64)
+    """The whole unrolled backward of one sample in registers (R = dL/dP * P):
+
+    dK = R;  du^T = rowsum(R);  dv^T = colsum(R)
+    for t = T..1:  Q = exp(K' + u^t + v^t):        dK -= dv^t_j Q_ij;   du^t_i -= sum_j Q_ij dv^t_j
+                   Q' = exp(K' + u^t + v^(t-1)):   dK -= du^t_i Q'_ij;  dv^(t-1)_j = -sum_i Q'_ij du^t_i
+    d log_alpha = dK / tau
+    """
+    b = _pid(0)
     rows = tl.arange(0, BLOCK)
     cols = tl.arange(0, BLOCK)
     rmask = rows < N
@@ -382,10 +281,7 @@ def _sinkhorn_bwd_block_kernel(
     mask = rmask[:, None] & cmask[None, :]
     pot_u = u_ptr + b * (T + 1) * N
     pot_v = v_ptr + b * (T + 1) * N
-    k = tl.load(
-        la_ptr + b * stride_lb + rows[:, None] * stride_li + cols[None, :] * stride_lj, mask=mask, other=float("-inf")
-    )
-    k = k.to(tl.float32) / tau + tl.load(pot_u + rows, mask=rmask, other=0.0)[:, None]
+    k = _k_tile(la_ptr + b * stride_lb, pot_u, rows, cols, N, stride_li, stride_lj, tau)
     g = tl.load(g_ptr + b * stride_gb + rows[:, None] * stride_gi + cols[None, :] * stride_gj, mask=mask, other=0.0)
     u_T = tl.load(pot_u + T * N + rows, mask=rmask, other=0.0)
     v_T = tl.load(pot_v + T * N + cols, mask=cmask, other=0.0)
@@ -407,6 +303,112 @@ def _sinkhorn_bwd_block_kernel(
     )
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Triton kernels. N > 64: one launch per half-step over (sample, block of rows or columns) programs.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sinkhorn_rowmax_kernel(
+    la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
+    u_ptr,  # (B, T + 1, N) fp32 row potentials: slot 0 (the row shift u^0 = -max_j K) written here
+    stride_lb,  # log_alpha stride between batch elements
+    stride_li,  # log_alpha stride between rows
+    stride_lj,  # log_alpha stride between columns
+    N,
+    T,
+    tau,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Row shift of this program's rows: u^0_i = -max_j log_alpha_ij / tau."""
+    b = _pid(0)
+    rows = _pid(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < N
+    la_b = la_ptr + b * stride_lb
+    mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    for c0 in range(0, N, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = rmask[:, None] & (cols < N)[None, :]
+        k = tl.load(la_b + rows[:, None] * stride_li + cols[None, :] * stride_lj, mask=mask, other=float("-inf"))
+        mx = tl.maximum(mx, tl.max(k.to(tl.float32) / tau, axis=1))
+    tl.store(u_ptr + b * (T + 1) * N + rows, -mx, mask=rmask)
+
+
+@triton.jit
+def _sinkhorn_line_tile(
+    la_b,  # this sample's log_alpha, (N, N) strided
+    pot_u,  # this sample's row potentials, (T + 1, N) fp32
+    other,  # the potential added along the streamed dimension, (N,) fp32
+    own,  # (BLOCK_OWN,) indices of the lines this program owns
+    stream,  # (BLOCK_STREAM,) indices of the streamed tile
+    N,
+    stride_li,
+    stride_lj,
+    tau,
+    AXIS: tl.constexpr,  # 1: the program owns rows (tile (own, stream)); 0: it owns columns (tile (stream, own))
+):
+    """K' + other over one tile, oriented so that AXIS is the streamed (reduced) dimension."""
+    if AXIS == 1:
+        x = _k_tile(la_b, pot_u, own, stream, N, stride_li, stride_lj, tau)
+    else:
+        x = _k_tile(la_b, pot_u, stream, own, N, stride_li, stride_lj, tau)
+    return x + tl.expand_dims(tl.load(other + stream, mask=stream < N, other=0.0), 1 - AXIS)
+
+
+@triton.jit(do_not_specialize=["t"])
+def _sinkhorn_half_step_kernel(
+    la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
+    p_ptr,  # (B, N, N) output P, contiguous, log_alpha's dtype: written by the last v-step
+    u_ptr,  # (B, T + 1, N) fp32 row potentials: slot 0 read; slot t written (u-step) or read (v-step)
+    v_ptr,  # (B, T + 1, N) fp32 column potentials: slot t - 1 read (u-step) or slot t written (v-step)
+    stride_lb,  # log_alpha stride between batch elements
+    stride_li,  # log_alpha stride between rows
+    stride_lj,  # log_alpha stride between columns
+    N,
+    T,
+    t,  # half-step pair index, 1..T (runtime: one compiled kernel for every iteration)
+    tau,
+    AXIS: tl.constexpr,  # 1: u-step, the program owns rows; 0: v-step, it owns columns
+    BLOCK_OWN: tl.constexpr,  # lines this program owns
+    BLOCK_STREAM: tl.constexpr,  # width of the tiles it streams over the other dimension
+):
+    """One half-step for this program's lines, an online logsumexp over tiles of the other dimension:
+
+        AXIS = 1 (u-step):  u^t_i = -LSE_j(K'_ij + v^(t-1)_j)
+        AXIS = 0 (v-step):  v^t_j = -LSE_i(K'_ij + u^t_i);  at t = T also P_ij = exp(x_ij - m_j) / s_j, x = K' + u^T
+
+    P is written from the column max m and sum s themselves, not through the rounded v^T: its columns sum to 1.
+    One kernel for both directions (the row and column passes were two copies of this loop); each compiled variant
+    is the code of one direction only.
+    """
+    b = _pid(0)
+    own = _pid(1) * BLOCK_OWN + tl.arange(0, BLOCK_OWN)
+    la_b = la_ptr + b * stride_lb
+    pot_u = u_ptr + b * (T + 1) * N
+    pot_v = v_ptr + b * (T + 1) * N
+    if AXIS == 1:
+        out, other = pot_u + t * N, pot_v + (t - 1) * N
+    else:
+        out, other = pot_v + t * N, pot_u + t * N
+    mx = tl.full([BLOCK_OWN], float("-inf"), dtype=tl.float32)
+    acc = tl.zeros([BLOCK_OWN], dtype=tl.float32)
+    for s0 in range(0, N, BLOCK_STREAM):
+        stream = s0 + tl.arange(0, BLOCK_STREAM)
+        x = _sinkhorn_line_tile(la_b, pot_u, other, own, stream, N, stride_li, stride_lj, tau, AXIS)
+        mx, acc = _online_lse(mx, acc, x, AXIS)
+    tl.store(out + own, _neg_lse(mx, acc), mask=own < N)
+    if AXIS == 0:
+        if t == T:
+            shift, inv_sum = _lse_normaliser(mx, acc)
+            for s0 in range(0, N, BLOCK_STREAM):
+                rows = s0 + tl.arange(0, BLOCK_STREAM)
+                mask = (rows < N)[:, None] & (own < N)[None, :]
+                x = _sinkhorn_line_tile(la_b, pot_u, other, own, rows, N, stride_li, stride_lj, tau, AXIS)
+                p = tl.exp(x - shift[None, :]) * inv_sum[None, :]
+                tl.store(p_ptr + b * N * N + rows[:, None] * N + own[None, :], p.to(p_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit
 def _sinkhorn_bwd_init_kernel(
     la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
@@ -426,8 +428,9 @@ def _sinkhorn_bwd_init_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    """Start of the tiled backward for this program's columns: dv^T_j = sum_i R_ij, R = dL/dP * P."""
+    b = _pid(0)
+    cols = _pid(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < N
     la_b = la_ptr + b * stride_lb
     g_b = g_ptr + b * stride_gb
@@ -445,6 +448,9 @@ def _sinkhorn_bwd_init_kernel(
     tl.store(dv_ptr + b * N + cols, acc, mask=cmask)
 
 
+# The two adjoint passes below stay two kernels: the row pass also starts dK' from dL/dP at t = T, the column pass
+# also writes d log_alpha at t = 1, and they stream different potentials; merged behind a constexpr they would be two
+# bodies under one signature (the forward half-steps share one body, so they are one kernel).
 @triton.jit(do_not_specialize=["t"])
 def _sinkhorn_bwd_rows_kernel(
     la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
@@ -471,8 +477,8 @@ def _sinkhorn_bwd_rows_kernel(
 
     At t = T, Q is P itself, so R - Q dv = Q (dL/dP - dv) starts dK'.
     """
-    b = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    b = _pid(0)
+    rows = _pid(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     la_b = la_ptr + b * stride_lb
     g_b = g_ptr + b * stride_gb
@@ -521,8 +527,8 @@ def _sinkhorn_bwd_cols_kernel(
     BLOCK_C: tl.constexpr,
 ):
     """u-step adjoint: dv^(t-1)_j = -sum_i Q'_ij du^t_i and dK' -= du^t_i Q'_ij, Q' = exp(K' + u^t + v^(t-1))."""
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    b = _pid(0)
+    cols = _pid(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < N
     la_b = la_ptr + b * stride_lb
     pot_u = u_ptr + b * (T + 1) * N
@@ -578,13 +584,12 @@ def _sinkhorn_fwd_op(log_alpha: Tensor, n_iters: int, tau: float) -> tuple[Tenso
         wrap_triton(_sinkhorn_rowmax_kernel)[grid](
             log_alpha, u_all, *strides, n, n_iters, tau, BLOCK_R=_OWN, BLOCK_C=_STREAM
         )
+        blocks = dict(BLOCK_OWN=_OWN, BLOCK_STREAM=_STREAM)
         for t in range(1, n_iters + 1):
-            wrap_triton(_sinkhorn_u_kernel)[grid](
-                log_alpha, u_all, v_all, *strides, n, n_iters, t, tau, BLOCK_R=_OWN, BLOCK_C=_STREAM
-            )
-            wrap_triton(_sinkhorn_v_kernel)[grid](
-                log_alpha, p, u_all, v_all, *strides, n, n_iters, t, tau, BLOCK_R=_STREAM, BLOCK_C=_OWN
-            )
+            for axis in (1, 0):  # the u-step (rows), then the v-step (columns)
+                wrap_triton(_sinkhorn_half_step_kernel)[grid](
+                    log_alpha, p, u_all, v_all, *strides, n, n_iters, t, tau, AXIS=axis, **blocks
+                )
     return p, u_all, v_all
 
 
@@ -646,7 +651,7 @@ def _sinkhorn_backward(ctx: Any, grad_p: Tensor, _grad_u: Tensor, _grad_v: Tenso
     return torch.ops.attr_engine.sinkhorn_bwd(grad_p, log_alpha, u_all, v_all, ctx.tau), None, None
 
 
-register_autograd("attr_engine::sinkhorn_fwd", _sinkhorn_backward, setup_context=_sinkhorn_setup_context)
+_sinkhorn_fwd_op.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------------------------

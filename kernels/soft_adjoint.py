@@ -25,8 +25,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from torch.library import triton_op, wrap_triton
 
 from kernels._backend import tl, triton, use_triton
+from kernels._tl_helpers import _pid, compute_dtype
 from kernels._validate import check_int_at_least, check_positive, check_tensor
 
 SOFT_GATE_KINDS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "silu")
@@ -54,11 +56,6 @@ def _check_gate_args(z: torch.Tensor, kind: str, tau: float | None) -> float:
     if kind not in SOFT_GATE_KINDS:
         raise ValueError(f"kind must be one of {', '.join(SOFT_GATE_KINDS)}; got {kind!r}")
     return check_positive(DEFAULT_TAU[kind] if tau is None else tau, "tau")
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Half-precision inputs are computed in float32, like the kernels; float64 stays float64."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _pair(value: int | Sequence[int], name: str, minimum: int) -> tuple[int, int]:
@@ -111,7 +108,7 @@ def _pool_geometry(
 def _gate_reference(z: torch.Tensor, kind: str, tau: float) -> torch.Tensor:
     # Every step after the first writes in place into one fresh tensor (torch.special.ndtr would allocate several
     # temporaries of z's size); Phi(u) = erfc(-u / sqrt(2)) / 2 also keeps the lower tail's relative accuracy.
-    cd = _compute_dtype(z.dtype)
+    cd = compute_dtype(z.dtype)
     if kind == "silu":
         return (z.to(cd) / tau).sigmoid_()
     return (z.to(cd) * (-_SQRT1_2 / tau)).erfc_().mul_(0.5)
@@ -198,7 +195,7 @@ def soft_maxpool2d_detach(
     geom, oh, ow = _pool_geometry(x, kernel_size, stride, padding, dilation, ceil_mode)
     tau = check_positive(tau, "tau")
     B, C = x.shape[:2]
-    logits = _windows(x.detach().to(_compute_dtype(x.dtype)), geom, oh, ow, -math.inf) / tau
+    logits = _windows(x.detach().to(compute_dtype(x.dtype)), geom, oh, ow, -math.inf) / tau
     weights = torch.softmax(logits, dim=2).to(x.dtype)
     # Padding must be 0 in the values: 0 * -inf would poison the (discarded) forward sum with NaN.
     s = (weights * _windows(x, geom, oh, ow, 0.0)).sum(dim=2).view(B, C, oh, ow)
@@ -210,7 +207,7 @@ def soft_maxpool2d_detach(
 def _soft_maxpool2d_backward_reference(
     x: torch.Tensor, grad: torch.Tensor, geom: list[int], oh: int, ow: int, tau: float
 ) -> torch.Tensor:
-    cd = _compute_dtype(x.dtype)
+    cd = compute_dtype(x.dtype)
     B, C = x.shape[:2]
     kh, kw, sh, sw, _, _, dh, dw = geom
     # In place where possible: the window-sized temporaries dominate this path's memory.
@@ -279,7 +276,8 @@ def _soft_gate_bwd_kernel(
     SIGMOID: tl.constexpr,  # True: sigmoid(z / tau) (SiLU); False: Phi(z / tau) (ReLU, GELU)
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    """``dz = g * gate(z / tau)``, gate = sigmoid (SiLU) or Phi, the standard normal CDF (ReLU, GELU)."""
+    offs = _pid(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     u = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv_tau
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -303,14 +301,14 @@ def _soft_maxpool2d_fwd_kernel(
     OH,
     OW,
     n_out,  # B * C * OH * OW
-    sxb,  # x stride over B
-    sxc,  # x stride over C
-    sxh,  # x stride over H
-    sxw,  # x stride over W
-    syb,  # y and lse stride over B
-    syc,  # y and lse stride over C
-    syh,  # y and lse stride over OH
-    syw,  # y and lse stride over OW
+    stride_xb,  # x stride over B
+    stride_xc,  # x stride over C
+    stride_xh,  # x stride over H
+    stride_xw,  # x stride over W
+    stride_yb,  # y and lse stride over B
+    stride_yc,  # y and lse stride over C
+    stride_yh,  # y and lse stride over OH
+    stride_yw,  # y and lse stride over OW
     inv_tau,
     KH: tl.constexpr,
     KW: tl.constexpr,
@@ -322,8 +320,13 @@ def _soft_maxpool2d_fwd_kernel(
     DW: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # One lane per output element; the window loop is unrolled (KH * KW is small).
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    """``y = max_{k in window} x_k`` (torch's NaN and tie rules) and ``lse = log sum_{k in window} exp(x_k / tau)``.
+
+    One lane per output element; the window loop is unrolled (KH * KW is small). The logsumexp is two passes over
+    the window per lane (max, then sum), not the tile helper of ``kernels._tl_helpers``: the max pass is also the
+    exact forward, with torch's NaN rule, and each lane's window is a handful of scattered loads, not a tile.
+    """
+    offs = _pid(0) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < n_out
     ow = offs % OW
     t = offs // OW
@@ -331,7 +334,7 @@ def _soft_maxpool2d_fwd_kernel(
     t = t // OH
     c = t % C
     b = t // C
-    x_base = x_ptr + b * sxb + c * sxc
+    x_base = x_ptr + b * stride_xb + c * stride_xc
     h0 = oh * SH - PH
     w0 = ow * SW - PW
     # torch's rule (take v if v > max or v is NaN; ties keep the first), so y is bit-identical to max_pool2d. The
@@ -344,7 +347,7 @@ def _soft_maxpool2d_fwd_kernel(
         for kw in tl.static_range(KW):
             iw = w0 + kw * DW
             inside = valid & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            v = tl.load(x_base + ih * sxh + iw * sxw, mask=inside, other=float("-inf"))
+            v = tl.load(x_base + ih * stride_xh + iw * stride_xw, mask=inside, other=float("-inf"))
             vf = v.to(tl.float32)
             take = inside & ((vf > mf) | (vf != vf))
             m = tl.where(take, v, m)
@@ -359,9 +362,9 @@ def _soft_maxpool2d_fwd_kernel(
         for kw in tl.static_range(KW):
             iw = w0 + kw * DW
             inside = valid & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            v = tl.load(x_base + ih * sxh + iw * sxw, mask=inside, other=float("-inf")).to(tl.float32)
+            v = tl.load(x_base + ih * stride_xh + iw * stride_xw, mask=inside, other=float("-inf")).to(tl.float32)
             s += tl.exp(v * inv_tau - mt)
-    y_off = b * syb + c * syc + oh * syh + ow * syw
+    y_off = b * stride_yb + c * stride_yc + oh * stride_yh + ow * stride_yw
     tl.store(y_ptr + y_off, m, mask=valid)
     tl.store(lse_ptr + y_off, mt + tl.log(s), mask=valid)
 
@@ -378,22 +381,22 @@ def _soft_maxpool2d_bwd_kernel(
     OH,
     OW,
     n_in,  # B * C * H * W
-    sxb,  # x stride over B
-    sxc,  # x stride over C
-    sxh,  # x stride over H
-    sxw,  # x stride over W
-    slb,  # lse stride over B
-    slc,  # lse stride over C
-    slh,  # lse stride over OH
-    slw,  # lse stride over OW
-    sgb,  # grad stride over B
-    sgc,  # grad stride over C
-    sgh,  # grad stride over OH
-    sgw,  # grad stride over OW
-    sdb,  # dx stride over B
-    sdc,  # dx stride over C
-    sdh,  # dx stride over H
-    sdw,  # dx stride over W
+    stride_xb,  # x stride over B
+    stride_xc,  # x stride over C
+    stride_xh,  # x stride over H
+    stride_xw,  # x stride over W
+    stride_lb,  # lse stride over B
+    stride_lc,  # lse stride over C
+    stride_lh,  # lse stride over OH
+    stride_lw,  # lse stride over OW
+    stride_gb,  # grad stride over B
+    stride_gc,  # grad stride over C
+    stride_gh,  # grad stride over OH
+    stride_gw,  # grad stride over OW
+    stride_db,  # dx stride over B
+    stride_dc,  # dx stride over C
+    stride_dh,  # dx stride over H
+    stride_dw,  # dx stride over W
     inv_tau,
     KH: tl.constexpr,
     KW: tl.constexpr,
@@ -405,9 +408,12 @@ def _soft_maxpool2d_bwd_kernel(
     DW: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # One lane per input pixel, gathering from every output whose window covers it: each dx element is written once
-    # by one lane in a fixed order, so there are no atomics and the result is deterministic.
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    """``dx_k = sum_{windows o containing k} g_o * exp(x_k / tau - lse_o)``: softmax(window / tau) weights.
+
+    One lane per input pixel, gathering from every output whose window covers it: each dx element is written once
+    by one lane in a fixed order, so there are no atomics and the result is deterministic.
+    """
+    offs = _pid(0) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < n_in
     iw = offs % W
     t = offs // W
@@ -415,9 +421,14 @@ def _soft_maxpool2d_bwd_kernel(
     t = t // H
     c = t % C
     b = t // C
-    u = tl.load(x_ptr + b * sxb + c * sxc + ih * sxh + iw * sxw, mask=valid, other=0.0).to(tl.float32) * inv_tau
-    lse_base = lse_ptr + b * slb + c * slc
-    g_base = g_ptr + b * sgb + c * sgc
+    u = (
+        tl.load(x_ptr + b * stride_xb + c * stride_xc + ih * stride_xh + iw * stride_xw, mask=valid, other=0.0).to(
+            tl.float32
+        )
+        * inv_tau
+    )
+    lse_base = lse_ptr + b * stride_lb + c * stride_lc
+    g_base = g_ptr + b * stride_gb + c * stride_gc
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for kh in tl.static_range(KH):
         # Output row oh sees this pixel at kernel row kh iff oh * SH - PH + kh * DH == ih.
@@ -429,10 +440,14 @@ def _soft_maxpool2d_bwd_kernel(
             ow = nw // SW
             ok = valid & ok_h & (nw >= 0) & (nw == ow * SW) & (ow < OW)
             # A lane whose window does not cover the pixel loads lse = +inf: weight exp(-inf) = 0, times g = 0.
-            lse = tl.load(lse_base + oh * slh + ow * slw, mask=ok, other=float("inf"))
-            g = tl.load(g_base + oh * sgh + ow * sgw, mask=ok, other=0.0).to(tl.float32)
+            lse = tl.load(lse_base + oh * stride_lh + ow * stride_lw, mask=ok, other=float("inf"))
+            g = tl.load(g_base + oh * stride_gh + ow * stride_gw, mask=ok, other=0.0).to(tl.float32)
             acc += tl.exp(u - lse) * g
-    tl.store(dx_ptr + b * sdb + c * sdc + ih * sdh + iw * sdw, acc.to(dx_ptr.dtype.element_ty), mask=valid)
+    tl.store(
+        dx_ptr + b * stride_db + c * stride_dc + ih * stride_dh + iw * stride_dw,
+        acc.to(dx_ptr.dtype.element_ty),
+        mask=valid,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -440,7 +455,7 @@ def _soft_maxpool2d_bwd_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@torch.library.triton_op("attr_engine::soft_gate", mutates_args=())
+@triton_op("attr_engine::soft_gate", mutates_args=())
 def _soft_gate_op(z: torch.Tensor, kind: str, tau: float) -> torch.Tensor:
     # The forward is torch's own activation, not a Triton kernel: bit-identity with torch.relu / F.gelu / F.silu is
     # the contract, and a re-implementation cannot promise it (erf/exp codegen, FMA contraction and division
@@ -455,7 +470,7 @@ def _dense_same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.is_contiguous() or (a.ndim == 4 and a.is_contiguous(memory_format=torch.channels_last))
 
 
-@torch.library.triton_op("attr_engine::soft_gate_backward", mutates_args=())
+@triton_op("attr_engine::soft_gate_backward", mutates_args=())
 def _soft_gate_backward_op(z: torch.Tensor, grad: torch.Tensor, kind: str, tau: float) -> torch.Tensor:
     if not _dense_same_layout(z, grad):  # e.g. an expanded gradient or a sliced z: pay one copy, then walk flat
         z, grad = z.contiguous(), grad.contiguous()
@@ -463,9 +478,7 @@ def _soft_gate_backward_op(z: torch.Tensor, grad: torch.Tensor, kind: str, tau: 
     n = z.numel()
     if n > 0:
         grid = (triton.cdiv(n, _GATE_BLOCK),)
-        torch.library.wrap_triton(_soft_gate_bwd_kernel)[grid](
-            z, grad, dz, n, 1.0 / tau, SIGMOID=kind == "silu", BLOCK=_GATE_BLOCK
-        )
+        wrap_triton(_soft_gate_bwd_kernel)[grid](z, grad, dz, n, 1.0 / tau, SIGMOID=kind == "silu", BLOCK=_GATE_BLOCK)
     return dz
 
 
@@ -489,7 +502,7 @@ def _pool_output_format(x: torch.Tensor) -> torch.memory_format:
     return torch.channels_last if channels_last else torch.contiguous_format
 
 
-@torch.library.triton_op("attr_engine::soft_maxpool2d", mutates_args=())
+@triton_op("attr_engine::soft_maxpool2d", mutates_args=())
 def _soft_maxpool2d_op(
     x: torch.Tensor, geom: list[int], out_hw: list[int], tau: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -501,14 +514,14 @@ def _soft_maxpool2d_op(
     n_out = y.numel()
     if n_out > 0:
         grid = (triton.cdiv(n_out, _POOL_BLOCK),)
-        torch.library.wrap_triton(_soft_maxpool2d_fwd_kernel)[grid](
+        wrap_triton(_soft_maxpool2d_fwd_kernel)[grid](
             x, y, lse, C, H, W, oh, ow, n_out, *x.stride(), *y.stride(), 1.0 / tau,
             KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, DH=dh, DW=dw, BLOCK=_POOL_BLOCK,
         )  # fmt: skip
     return y, lse
 
 
-@torch.library.triton_op("attr_engine::soft_maxpool2d_backward", mutates_args=())
+@triton_op("attr_engine::soft_maxpool2d_backward", mutates_args=())
 def _soft_maxpool2d_backward_op(
     x: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, geom: list[int], tau: float
 ) -> torch.Tensor:
@@ -519,7 +532,7 @@ def _soft_maxpool2d_backward_op(
     n_in = x.numel()
     if n_in > 0:
         grid = (triton.cdiv(n_in, _POOL_BLOCK),)
-        torch.library.wrap_triton(_soft_maxpool2d_bwd_kernel)[grid](
+        wrap_triton(_soft_maxpool2d_bwd_kernel)[grid](
             x, lse, grad, dx, C, H, W, oh, ow, n_in, *x.stride(), *lse.stride(), *grad.stride(), *dx.stride(),
             1.0 / tau, KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, DH=dh, DW=dw, BLOCK=_POOL_BLOCK,
         )  # fmt: skip

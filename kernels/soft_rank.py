@@ -40,10 +40,10 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch.library import wrap_triton
+from torch.library import custom_op, triton_op, wrap_triton
 
 from kernels._backend import tl, triton, use_triton
-from kernels._tl_helpers import _neg_lse, _online_lse
+from kernels._tl_helpers import _lse_normaliser, _neg_lse, _online_lse, _pid, compute_dtype
 from kernels._validate import check_int_at_least, check_positive, check_tensor
 from kernels.sinkhorn import sinkhorn_eager
 
@@ -275,11 +275,6 @@ class _Stabilised:
         return torch.bmm(self.e.transpose(1, 2), scaled).to(torch.float64)
 
 
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of E: float64 for float64 scores (the definition's precision), float32 for every other input."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _chunk_size(n: int) -> int:
     """Samples per chunk of the structured path.
 
@@ -305,7 +300,7 @@ def _structured_forward(
     us = torch.empty(bsz, n_iters, n, dtype=torch.float64, device=scores.device)
     vs = torch.empty_like(us)
     masks = torch.empty(bsz, weights.shape[0], n, dtype=torch.float64, device=scores.device)
-    work = _work_dtype(scores.dtype)
+    work = compute_dtype(scores.dtype)  # the dtype of E
     step = _chunk_size(n)
     for lo in range(0, bsz, step):
         hi = min(bsz, lo + step)
@@ -349,7 +344,7 @@ def _structured_backward(
     s64 = scores.to(torch.float64)
     anchors = rank_anchors(n, dtype=torch.float64, device=scores.device)
     gm = grad_masks.to(torch.float64)
-    work = _work_dtype(scores.dtype)
+    work = compute_dtype(scores.dtype)  # the dtype of E
     grad = torch.zeros(bsz, n, dtype=torch.float64, device=scores.device)
     step = _chunk_size(n)
     for lo in range(0, bsz, step):
@@ -397,7 +392,7 @@ def _structured_backward(
 # at the data-dependent refresh and underflow branches inside; the seed travels as an int, the noise is regenerated.
 
 
-@torch.library.custom_op("attr_engine::soft_topk_reference", mutates_args=())
+@custom_op("attr_engine::soft_topk_reference", mutates_args=())
 def _soft_topk_reference_op(
     scores: torch.Tensor, weights: torch.Tensor, tau: float, n_iters: int, noise: float, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -414,7 +409,7 @@ def _(scores: torch.Tensor, weights: torch.Tensor, tau: float, n_iters: int, noi
     return scores.new_empty(bsz, weights.shape[0], n), pot, torch.empty_like(pot)
 
 
-@torch.library.custom_op("attr_engine::soft_topk_reference_backward", mutates_args=())
+@custom_op("attr_engine::soft_topk_reference_backward", mutates_args=())
 def _soft_topk_reference_backward_op(
     grad_masks: torch.Tensor,
     scores: torch.Tensor,
@@ -515,11 +510,65 @@ def _cost_tile(
     return tl.where(mask_j[:, None] & mask_i[None, :], k, float("-inf"))
 
 
+@triton.jit
+def _topk_line_tile(
+    s_row,  # pointer to this sample's scores, (N,)
+    other,  # pointer to the potential added along the streamed dimension, (N,) fp32
+    t,  # iteration index: at t = 0 the row pass sees no column potential yet (v_(-1) = 0)
+    own,  # (BLOCK_OWN,) indices of the lines this program owns
+    stream,  # (BLOCK_STREAM,) indices of the streamed tile
+    N,
+    anchor_step,
+    seed,
+    noise,
+    inv_tau,
+    HAS_NOISE: tl.constexpr,
+    AXIS: tl.constexpr,  # 1: the program owns rank slots (tile (own, stream)); 0: it owns cells (tile (stream, own))
+):
+    """K + other over one tile, oriented so that AXIS is the streamed (reduced) dimension:
+
+    AXIS = 1: x[j, i] = K[j, i] + v_(t-1)[i] (own = j);  AXIS = 0: x[j, i] = K[j, i] + u[j] (own = i).
+    """
+    ok = stream < N
+    if AXIS == 1:
+        k = _cost_tile(s_row, own, stream, N, anchor_step, seed, noise, inv_tau, HAS_NOISE)
+        ok = ok & (t > 0)
+    else:
+        k = _cost_tile(s_row, stream, own, N, anchor_step, seed, noise, inv_tau, HAS_NOISE)
+    return k + tl.expand_dims(tl.load(other + stream, mask=ok, other=0.0), 1 - AXIS)
+
+
+@triton.jit
+def _topk_line_lse(
+    s_row,
+    other,
+    t,
+    own,
+    N,
+    anchor_step,
+    seed,
+    noise,
+    inv_tau,
+    HAS_NOISE: tl.constexpr,
+    AXIS: tl.constexpr,
+    BLOCK_OWN: tl.constexpr,
+    BLOCK_STREAM: tl.constexpr,
+):
+    """Streaming logsumexp pair (max, sum) of :func:`_topk_line_tile` along AXIS, over every tile of the line."""
+    run_max = tl.full([BLOCK_OWN], float("-inf"), tl.float32)
+    run_sum = tl.zeros([BLOCK_OWN], tl.float32)
+    for s0 in range(0, N, BLOCK_STREAM):
+        stream = s0 + tl.arange(0, BLOCK_STREAM)
+        x = _topk_line_tile(s_row, other, t, own, stream, N, anchor_step, seed, noise, inv_tau, HAS_NOISE, AXIS)
+        run_max, run_sum = _online_lse(run_max, run_sum, x, AXIS)
+    return run_max, run_sum
+
+
 @triton.jit(do_not_specialize=["t"])
-def _topk_rows_kernel(
+def _topk_half_step_kernel(
     s_ptr,  # scores, (B, N) fp32 contiguous
-    u_ptr,  # row potentials of every iteration, (B, T, N) fp32; slot t written here
-    v_ptr,  # column potentials of every iteration, (B, T, N) fp32; slot t - 1 read here
+    u_ptr,  # row potentials of every iteration, (B, T, N) fp32: slot t written (AXIS = 1) or read (AXIS = 0)
+    v_ptr,  # column potentials of every iteration, (B, T, N) fp32: slot t - 1 read (AXIS = 1) or slot t written
     N,
     T,
     t,  # iteration index (runtime, so one compiled kernel serves every iteration)
@@ -528,53 +577,30 @@ def _topk_rows_kernel(
     noise,
     inv_tau,
     HAS_NOISE: tl.constexpr,
-    BLOCK_J: tl.constexpr,
-    BLOCK_I: tl.constexpr,
+    AXIS: tl.constexpr,  # 1: row half-step, the program owns rank slots; 0: column half-step, it owns cells
+    BLOCK_OWN: tl.constexpr,  # lines this program owns
+    BLOCK_STREAM: tl.constexpr,  # width of the tiles it streams over the other dimension
 ):
-    """Row half-step u_t[j] = -LSE_i(K[j, i] + v_(t-1)[i]) (v_(-1) = 0) for this program's block of rank slots."""
-    b = tl.program_id(0).to(tl.int64)
-    offs_j = tl.program_id(1).to(tl.int64) * BLOCK_J + tl.arange(0, BLOCK_J)
-    s_row = s_ptr + b * N
-    v_prev = v_ptr + b * T * N + (t - 1) * N
-    run_max = tl.full([BLOCK_J], float("-inf"), tl.float32)
-    run_sum = tl.zeros([BLOCK_J], tl.float32)
-    for i0 in range(0, N, BLOCK_I):
-        offs_i = i0 + tl.arange(0, BLOCK_I)
-        x = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
-        x += tl.load(v_prev + offs_i, mask=(offs_i < N) & (t > 0), other=0.0)[None, :]
-        run_max, run_sum = _online_lse(run_max, run_sum, x, 1)
-    tl.store(u_ptr + b * T * N + t * N + offs_j, _neg_lse(run_max, run_sum), mask=offs_j < N)
+    """One Sinkhorn half-step for this program's block of lines:
 
+        AXIS = 1 (rows):     u_t[j] = -LSE_i(K[j, i] + v_(t-1)[i])   (v_(-1) = 0)
+        AXIS = 0 (columns):  v_t[i] = -LSE_j(K[j, i] + u_t[j])
 
-@triton.jit(do_not_specialize=["t"])
-def _topk_cols_kernel(
-    s_ptr,  # scores, (B, N) fp32 contiguous
-    u_ptr,  # row potentials, (B, T, N) fp32; slot t read here
-    v_ptr,  # column potentials, (B, T, N) fp32; slot t written here
-    N,
-    T,
-    t,  # iteration index
-    anchor_step,
-    seed,
-    noise,
-    inv_tau,
-    HAS_NOISE: tl.constexpr,
-    BLOCK_J: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-):
-    """Column half-step v_t[i] = -LSE_j(K[j, i] + u_t[j]) for this program's block of cells."""
-    b = tl.program_id(0).to(tl.int64)
-    offs_i = tl.program_id(1).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
-    s_row = s_ptr + b * N
-    u_t = u_ptr + b * T * N + t * N
-    run_max = tl.full([BLOCK_I], float("-inf"), tl.float32)
-    run_sum = tl.zeros([BLOCK_I], tl.float32)
-    for j0 in range(0, N, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        x = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
-        x += tl.load(u_t + offs_j, mask=offs_j < N, other=0.0)[:, None]
-        run_max, run_sum = _online_lse(run_max, run_sum, x, 0)
-    tl.store(v_ptr + b * T * N + t * N + offs_i, _neg_lse(run_max, run_sum), mask=offs_i < N)
+    One kernel for both directions (the row and column passes were two copies of this loop); each compiled variant
+    is the code of one direction only.
+    """
+    b = _pid(0)
+    own = _pid(1) * BLOCK_OWN + tl.arange(0, BLOCK_OWN)
+    pot = b * T * N + t * N
+    if AXIS == 1:
+        out, other = u_ptr + pot, v_ptr + pot - N
+    else:
+        out, other = v_ptr + pot, u_ptr + pot
+    run_max, run_sum = _topk_line_lse(
+        s_ptr + b * N, other, t, own, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE, AXIS, BLOCK_OWN,
+        BLOCK_STREAM,
+    )  # fmt: skip
+    tl.store(out + own, _neg_lse(run_max, run_sum), mask=own < N)
 
 
 @triton.jit
@@ -591,9 +617,9 @@ def _topk_masks_kernel(
     noise,
     inv_tau,
     HAS_NOISE: tl.constexpr,
-    BLOCK_J: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_J: tl.constexpr,  # rank slots per streamed tile
+    BLOCK_I: tl.constexpr,  # cells this program owns
+    BLOCK_S: tl.constexpr,  # fractions this program owns
 ):
     """M[s, i] = sum_j W[s, j] P[j, i] for this program's (cells, fractions) block.
 
@@ -601,25 +627,21 @@ def _topk_masks_kernel(
     s (x = K + u_T), not through the stored v_T = -(m + log s): at extreme score scales (|K| ~ 1e8) fp32 cannot hold
     m + log s, and the columns of P, hence M at fraction 1, would no longer sum to one.
     """
-    b = tl.program_id(0).to(tl.int64)
-    offs_i = tl.program_id(1).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
-    offs_s = tl.program_id(2).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    b = _pid(0)
+    offs_i = _pid(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    offs_s = _pid(2) * BLOCK_S + tl.arange(0, BLOCK_S)
     s_row = s_ptr + b * N
     u_last = u_ptr + b * T * N + (T - 1) * N
-    run_max = tl.full([BLOCK_I], float("-inf"), tl.float32)
-    run_sum = tl.zeros([BLOCK_I], tl.float32)
-    for j0 in range(0, N, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        x = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
-        x += tl.load(u_last + offs_j, mask=offs_j < N, other=0.0)[:, None]
-        run_max, run_sum = _online_lse(run_max, run_sum, x, 0)
-    shift = tl.where(run_max == float("-inf"), 0.0, run_max)
-    inv_sum = 1.0 / tl.where(run_sum > 0.0, run_sum, 1.0)
+    run_max, run_sum = _topk_line_lse(
+        s_row, u_last, T - 1, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE, 0, BLOCK_I, BLOCK_J
+    )
+    shift, inv_sum = _lse_normaliser(run_max, run_sum)
     acc = tl.zeros([BLOCK_S, BLOCK_I], tl.float32)
     for j0 in range(0, N, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
-        x = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
-        x += tl.load(u_last + offs_j, mask=offs_j < N, other=0.0)[:, None]
+        x = _topk_line_tile(
+            s_row, u_last, T - 1, offs_i, offs_j, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE, 0
+        )
         p = tl.exp(x - shift[None, :]) * inv_sum[None, :]
         w = tl.load(
             w_ptr + offs_s[:, None] * N + offs_j[None, :], mask=(offs_s[:, None] < S) & (offs_j[None, :] < N), other=0.0
@@ -655,13 +677,14 @@ def _direct_tile(
 
 
 @triton.jit
-def _topk_bwd_direct_rows_kernel(
+def _topk_bwd_direct_kernel(
     s_ptr,  # scores, (B, N) fp32
     w_ptr,  # prefix weights W, (S, N) fp32
     u_ptr,  # saved row potentials, (B, T, N) fp32
     v_ptr,  # saved column potentials, (B, T, N) fp32
     gm_ptr,  # incoming gradient of the masks, (B, S, N) fp32 contiguous
-    du_ptr,  # out: row sums of the direct term R = dL/dP * P, (B, N) fp32
+    line_ptr,  # out: line sums of R, (B, N) fp32: du (AXIS = 1) or dv (AXIS = 0)
+    acc_ptr,  # out (AXIS = 0 only): sum_j R[j, i] (s_i - a_j), the score accumulator, (B, N) fp32
     N,
     S,
     T,
@@ -670,70 +693,55 @@ def _topk_bwd_direct_rows_kernel(
     noise,
     inv_tau,
     HAS_NOISE: tl.constexpr,
+    AXIS: tl.constexpr,  # 1: the program owns BLOCK_J rank slots; 0: it owns BLOCK_I cells
     BLOCK_J: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """du[j] = sum_i R[j, i] with R = (W^T dM) * P, for this program's block of rank slots."""
-    b = tl.program_id(0).to(tl.int64)
-    offs_j = tl.program_id(1).to(tl.int64) * BLOCK_J + tl.arange(0, BLOCK_J)
+    """The direct term R = (W^T dM) * P, P = exp(K + u_last + v_last), summed over this program's lines:
+
+        AXIS = 1 (rank slots):  du[j] = sum_i R[j, i]
+        AXIS = 0 (cells):       dv[i] = sum_j R[j, i];  acc[i] = s_i dv[i] - sum_j a_j R[j, i]
+
+    One kernel for both directions (they were two copies of this loop); each compiled variant is one direction.
+    """
+    b = _pid(0)
     s_row = s_ptr + b * N
     last = b * T * N + (T - 1) * N
-    u_last = tl.load(u_ptr + last + offs_j, mask=offs_j < N, other=0.0)
-    row = tl.zeros([BLOCK_J], tl.float32)
-    for i0 in range(0, N, BLOCK_I):
-        offs_i = i0 + tl.arange(0, BLOCK_I)
-        k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
-        v_last = tl.load(v_ptr + last + offs_i, mask=offs_i < N, other=0.0)
-        p = tl.exp(tl.minimum(k + u_last[:, None] + v_last[None, :], 0.0))
-        g = _direct_tile(w_ptr, gm_ptr + b * S * N, offs_j, offs_i, N, S, BLOCK_J, BLOCK_I, BLOCK_S)
-        row += tl.sum(g * p, axis=1)
-    tl.store(du_ptr + b * N + offs_j, row, mask=offs_j < N)
-
-
-@triton.jit
-def _topk_bwd_direct_cols_kernel(
-    s_ptr,  # scores, (B, N) fp32
-    w_ptr,  # prefix weights W, (S, N) fp32
-    u_ptr,  # saved row potentials, (B, T, N) fp32
-    v_ptr,  # saved column potentials, (B, T, N) fp32
-    gm_ptr,  # incoming gradient of the masks, (B, S, N) fp32 contiguous
-    dv_ptr,  # out: column sums of R, (B, N) fp32
-    acc_ptr,  # out: sum_j R[j, i] (s_i - a_j), the score accumulator, (B, N) fp32
-    N,
-    S,
-    T,
-    anchor_step,
-    seed,
-    noise,
-    inv_tau,
-    HAS_NOISE: tl.constexpr,
-    BLOCK_J: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """dv[i] = sum_j R[j, i] and acc[i] = s_i dv[i] - sum_j a_j R[j, i] for this program's block of cells."""
-    b = tl.program_id(0).to(tl.int64)
-    offs_i = tl.program_id(1).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
-    s_row = s_ptr + b * N
-    last = b * T * N + (T - 1) * N
-    s = tl.load(s_row + offs_i, mask=offs_i < N, other=0.0)
-    v_last = tl.load(v_ptr + last + offs_i, mask=offs_i < N, other=0.0)
-    col = tl.zeros([BLOCK_I], tl.float32)
-    col_a = tl.zeros([BLOCK_I], tl.float32)
-    for j0 in range(0, N, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
+    if AXIS == 1:
+        offs_j = _pid(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+        own = offs_j
         u_last = tl.load(u_ptr + last + offs_j, mask=offs_j < N, other=0.0)
-        g = _direct_tile(w_ptr, gm_ptr + b * S * N, offs_j, offs_i, N, S, BLOCK_J, BLOCK_I, BLOCK_S)
-        r = g * tl.exp(tl.minimum(k + u_last[:, None] + v_last[None, :], 0.0))
-        a = 1.0 - offs_j.to(tl.float32) * anchor_step
-        col += tl.sum(r, axis=0)
-        col_a += tl.sum(r * a[:, None], axis=0)
-    tl.store(dv_ptr + b * N + offs_i, col, mask=offs_i < N)
-    tl.store(acc_ptr + b * N + offs_i, s * col - col_a, mask=offs_i < N)
+        line = tl.zeros([BLOCK_J], tl.float32)
+    else:
+        offs_i = _pid(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        own = offs_i
+        v_last = tl.load(v_ptr + last + offs_i, mask=offs_i < N, other=0.0)
+        line = tl.zeros([BLOCK_I], tl.float32)
+        line_a = tl.zeros([BLOCK_I], tl.float32)
+    for s0 in range(0, N, BLOCK_I if AXIS == 1 else BLOCK_J):
+        if AXIS == 1:
+            offs_i = s0 + tl.arange(0, BLOCK_I)
+            v_last = tl.load(v_ptr + last + offs_i, mask=offs_i < N, other=0.0)
+        else:
+            offs_j = s0 + tl.arange(0, BLOCK_J)
+            u_last = tl.load(u_ptr + last + offs_j, mask=offs_j < N, other=0.0)
+        k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
+        p = tl.exp(tl.minimum(k + u_last[:, None] + v_last[None, :], 0.0))
+        r = _direct_tile(w_ptr, gm_ptr + b * S * N, offs_j, offs_i, N, S, BLOCK_J, BLOCK_I, BLOCK_S) * p
+        line += tl.sum(r, axis=AXIS)
+        if AXIS == 0:
+            a = 1.0 - offs_j.to(tl.float32) * anchor_step
+            line_a += tl.sum(r * a[:, None], axis=0)
+    tl.store(line_ptr + b * N + own, line, mask=own < N)
+    if AXIS == 0:
+        s = tl.load(s_row + own, mask=own < N, other=0.0)
+        tl.store(acc_ptr + b * N + own, s * line - line_a, mask=own < N)
 
 
+# The two adjoint passes below stay two kernels: the row pass is one matrix-vector product (Q dv), the column pass
+# four (colsum Q, a-weighted colsum, Q'^T du, Q'^T (du a)) plus the score accumulation. A constexpr-mode merge, as
+# for the forward half-steps and the direct terms, would put two unrelated bodies behind one signature.
 @triton.jit(do_not_specialize=["t"])
 def _topk_bwd_rows_kernel(
     s_ptr,  # scores, (B, N) fp32
@@ -753,8 +761,8 @@ def _topk_bwd_rows_kernel(
     BLOCK_I: tl.constexpr,
 ):
     """v-step adjoint, rows: du_t[j] = [t = T - 1] du[j] - sum_i Q[j, i] dv_t[i], Q = exp(K + u_t + v_t)."""
-    b = tl.program_id(0).to(tl.int64)
-    offs_j = tl.program_id(1).to(tl.int64) * BLOCK_J + tl.arange(0, BLOCK_J)
+    b = _pid(0)
+    offs_j = _pid(1) * BLOCK_J + tl.arange(0, BLOCK_J)
     s_row = s_ptr + b * N
     pot = b * T * N + t * N
     u_t = tl.load(u_ptr + pot + offs_j, mask=offs_j < N, other=0.0)
@@ -795,8 +803,8 @@ def _topk_bwd_cols_kernel(
     acc[i] -= dv_t[i] (s_i colsum(Q) - sum_j a_j Q[j, i]) + (s_i (Q'^T du)[i] - (Q'^T (du * a))[i]); at t = 0 the
     program also writes ds = -2 / tau * acc.
     """
-    b = tl.program_id(0).to(tl.int64)
-    offs_i = tl.program_id(1).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
+    b = _pid(0)
+    offs_i = _pid(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     s_row = s_ptr + b * N
     pot = b * T * N + t * N
     s = tl.load(s_row + offs_i, mask=offs_i < N, other=0.0)
@@ -834,8 +842,8 @@ def _gumbel_fill_kernel(
     seed,
     BLOCK: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    b = _pid(0)
+    offs = _pid(1) * BLOCK + tl.arange(0, BLOCK)
     tl.store(g_ptr + b * N * N + offs, _gumbel(seed + b, offs), mask=offs < N * N)
 
 
@@ -848,7 +856,7 @@ def _anchor_step(n: int) -> float:
     return 1.0 / (n - 1) if n > 1 else 0.0
 
 
-@torch.library.triton_op("attr_engine::soft_topk_fwd", mutates_args={})
+@triton_op("attr_engine::soft_topk_fwd", mutates_args=())
 def _soft_topk_fwd_op(
     scores: torch.Tensor, weights: torch.Tensor, tau: float, n_iters: int, noise: float, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -860,22 +868,23 @@ def _soft_topk_fwd_op(
     vs = scores.new_empty(bsz, n_iters, n)
     if bsz == 0:
         return masks, us, vs
-    consts = dict(HAS_NOISE=noise > 0, BLOCK_J=_OWN, BLOCK_I=_STREAM)
-    cols = dict(HAS_NOISE=noise > 0, BLOCK_J=_STREAM, BLOCK_I=_OWN)
+    half = dict(HAS_NOISE=noise > 0, BLOCK_OWN=_OWN, BLOCK_STREAM=_STREAM)
     grid = (bsz, triton.cdiv(n, _OWN))
     step, inv_tau = _anchor_step(n), 1.0 / tau
     for t in range(n_iters):
-        wrap_triton(_topk_rows_kernel)[grid](scores, us, vs, n, n_iters, t, step, seed, noise, inv_tau, **consts)
-        wrap_triton(_topk_cols_kernel)[grid](scores, us, vs, n, n_iters, t, step, seed, noise, inv_tau, **cols)
+        for axis in (1, 0):  # the row half-step, then the column half-step
+            wrap_triton(_topk_half_step_kernel)[grid](
+                scores, us, vs, n, n_iters, t, step, seed, noise, inv_tau, AXIS=axis, **half
+            )
     block_s = _block_s(n_frac)
     wrap_triton(_topk_masks_kernel)[(bsz, triton.cdiv(n, _OWN), triton.cdiv(n_frac, block_s))](
-        scores, weights, us, masks, n, n_frac, n_iters, step, seed, noise, inv_tau, BLOCK_S=block_s,
-        num_warps=_DOT_WARPS, **cols,
+        scores, weights, us, masks, n, n_frac, n_iters, step, seed, noise, inv_tau, HAS_NOISE=noise > 0,
+        BLOCK_J=_STREAM, BLOCK_I=_OWN, BLOCK_S=block_s, num_warps=_DOT_WARPS,
     )  # fmt: skip
     return masks, us, vs
 
 
-@torch.library.triton_op("attr_engine::soft_topk_bwd", mutates_args={})
+@triton_op("attr_engine::soft_topk_bwd", mutates_args=())
 def _soft_topk_bwd_op(
     grad_masks: torch.Tensor,
     scores: torch.Tensor,
@@ -904,14 +913,11 @@ def _soft_topk_bwd_op(
     # and S checked; 32 x 32 tiles, or 8 warps, spilled a few bytes on one of the two (ptxas' choices, measured
     # with ``python -m kernels.aot``).
     thin = 16
-    rows_d = dict(HAS_NOISE=noise > 0, BLOCK_J=_OWN, BLOCK_I=thin, BLOCK_S=block_s)
-    cols_d = dict(HAS_NOISE=noise > 0, BLOCK_J=thin, BLOCK_I=_OWN, BLOCK_S=block_s)
-    wrap_triton(_topk_bwd_direct_rows_kernel)[grid](
-        *direct, du, n, n_frac, n_iters, step, seed, noise, inv_tau, **rows_d
-    )
-    wrap_triton(_topk_bwd_direct_cols_kernel)[grid](
-        *direct, dv, acc, n, n_frac, n_iters, step, seed, noise, inv_tau, **cols_d
-    )
+    for axis, line, blocks in ((1, du, dict(BLOCK_J=_OWN, BLOCK_I=thin)), (0, dv, dict(BLOCK_J=thin, BLOCK_I=_OWN))):
+        wrap_triton(_topk_bwd_direct_kernel)[grid](
+            *direct, line, acc, n, n_frac, n_iters, step, seed, noise, inv_tau, HAS_NOISE=noise > 0, AXIS=axis,
+            BLOCK_S=block_s, **blocks,
+        )  # fmt: skip
     for t in range(n_iters - 1, -1, -1):
         wrap_triton(_topk_bwd_rows_kernel)[grid](
             scores, us, vs, du, dv, n, n_iters, t, step, seed, noise, inv_tau, **rows
@@ -931,7 +937,9 @@ def _soft_topk_setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: t
 
 def _soft_topk_backward(ctx: torch.autograd.function.FunctionCtx, grad_masks: torch.Tensor, *_: torch.Tensor):
     scores, weights, us, vs = ctx.saved_tensors
-    grad = _soft_topk_bwd_op(grad_masks.contiguous(), scores, weights, us, vs, ctx.tau, ctx.noise, ctx.seed)
+    grad = torch.ops.attr_engine.soft_topk_bwd(
+        grad_masks.contiguous(), scores, weights, us, vs, ctx.tau, ctx.noise, ctx.seed
+    )
     return grad, None, None, None, None, None
 
 
@@ -991,7 +999,7 @@ def soft_topk_masks(
     weights = prefix_weights(fractions, n)
     if use_triton(scores):
         fp32 = torch.float32
-        masks, _, _ = _soft_topk_fwd_op(
+        masks, _, _ = torch.ops.attr_engine.soft_topk_fwd(
             scores.to(fp32).contiguous(), weights.to(fp32).contiguous(), tau, n_iters, noise, seed
         )
         return masks.to(scores.dtype)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from kernels._backend import set_backend
-from kernels.region import cell_index, region_pool, soft_mask_blend
+from kernels.region import blur_kernel_size, cell_index, gaussian_taps, region_pool, soft_mask_blend
 from tests.conftest import requires_cuda
 from tests.tolerances import BF16, FP16, FP32, tol
 
@@ -105,10 +105,10 @@ def _grads(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: to
 
 
 def _blend_both(
-    inputs: list[torch.Tensor], grad: torch.Tensor, offset: tuple[float, float]
+    inputs: list[torch.Tensor], grad: torch.Tensor, offset: tuple[float, float], sigma: float = 0.0
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(float64 reference, fused) results of soft_mask_blend: output, then the gradients of x, reference, masks."""
-    fn = lambda *t: soft_mask_blend(*t, offset)
+    fn = lambda *t: soft_mask_blend(*t, offset, smooth_sigma=sigma)
     with set_backend("reference"):
         expected = _grads(fn, [t.double() for t in inputs], grad.double())
     with set_backend("triton"):
@@ -191,6 +191,18 @@ def test_soft_mask_blend_fused_strided_inputs() -> None:
 
 
 @requires_cuda
+@pytest.mark.parametrize("g,offset", [(7, (0.0, 0.0)), (28, (0.9, 0.1))])
+def test_smoothed_blend_cuda_matches_reference(g: int, offset: tuple[float, float]) -> None:
+    b, s, c, h = 2, 16, 3, 224
+    x, r = torch.randn(b, c, h, h, device="cuda"), torch.randn(b, c, h, h, device="cuda")
+    masks = torch.rand(b, s, g, g, device="cuda")
+    grad = torch.randn(b, s, c, h, h, device="cuda")
+    expected, got = _blend_both([x, r, masks], grad, offset, 1.0)
+    for e, o in zip(expected, got, strict=True):
+        assert_close(o.double(), e, **tol("soft_mask_blend", FP32))
+
+
+@requires_cuda
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 def test_region_ops_cuda_match_reference(dtype: torch.dtype) -> None:
     b, s, c, h, w, g = 2, 16, 3, 224, 224, 14
@@ -208,6 +220,140 @@ def test_region_ops_cuda_match_reference(dtype: torch.dtype) -> None:
         pooled = region_pool(amap, g, OFFSET)
     with set_backend("reference"):
         assert_close(pooled.double(), region_pool(amap.double(), g, OFFSET), **tol("region_pool", dtype))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Mask smoothing (the official AHA training's Gaussian blur of the upsampled masks)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _official_blend(x: torch.Tensor, r: torch.Tensor, masks: torch.Tensor, offset: tuple, sigma: float) -> torch.Tensor:
+    """The official formulation, independently of the op's blur matrices: per-pixel masks from cell_index, F.pad
+    "reflect", conv2d with the normalised outer product of the 1-D Gaussian, clamp to [0, 1], torch.lerp."""
+    b, _, h, w = x.shape
+    g = masks.shape[-1]
+    up = masks[:, :, cell_index(h, g, offset[0])][:, :, :, cell_index(w, g, offset[1])]
+    k = blur_kernel_size(sigma)
+    pos = torch.arange(k, dtype=torch.float64) - (k - 1) / 2.0
+    taps = torch.exp(-pos * pos / (2.0 * sigma * sigma))
+    kernel = taps[:, None] * taps[None, :]
+    kernel = (kernel / kernel.sum()).to(x.dtype).view(1, 1, k, k)
+    flat = F.pad(up.reshape(-1, 1, h, w), (k // 2,) * 4, mode="reflect")
+    smooth = F.conv2d(flat, kernel).view(b, -1, h, w).clamp(0.0, 1.0)
+    return torch.lerp(x[:, None], r[:, None], smooth[:, :, None])
+
+
+@pytest.mark.parametrize("sigma,taps", [(1.0, 7), (0.5, 5), (64 / 224, 3), (1.01, 9), (2.0, 13)])
+def test_blur_kernel_size_is_the_official_rule(sigma: float, taps: int) -> None:
+    assert blur_kernel_size(sigma) == taps
+    t = gaussian_taps(sigma)
+    assert t.shape == (taps,) and abs(float(t.sum()) - 1.0) < 1e-15
+    assert torch.equal(t, t.flip(0)) and int(t.argmax()) == taps // 2
+
+
+# (H, W, g, offset, sigma): 1-px cells (the blur reaches 3 cells each way), g not dividing H or W, a short first
+# cell from the offset, a grid of 2 with a wide blur, and a sigma below one pixel (3 taps).
+SMOOTH_CASES = [
+    (13, 10, 3, (0.0, 0.0), 1.0),
+    (13, 10, 3, OFFSET, 1.0),
+    (9, 9, 9, OFFSET, 1.0),
+    (11, 17, 4, (0.9, 0.1), 0.7),
+    (16, 16, 2, (0.0, 0.0), 2.0),
+    (12, 14, 5, (0.25, 0.6), 0.3),
+]
+
+
+@pytest.mark.parametrize("h,w,g,offset,sigma", SMOOTH_CASES)
+def test_smoothed_reference_matches_the_official_formulation(
+    h: int, w: int, g: int, offset: tuple[float, float], sigma: float
+) -> None:
+    """Forward and every gradient, float64; masks reach outside [0, 1] so the clamp (and its zero gradient) acts."""
+    b, s, c = 2, 3, 2
+    x, r = torch.randn(b, c, h, w, dtype=torch.float64), torch.randn(b, c, h, w, dtype=torch.float64)
+    masks = torch.rand(b, s, g, g, dtype=torch.float64) * 1.4 - 0.2
+    grad = torch.randn(b, s, c, h, w, dtype=torch.float64)
+    expected = _grads(lambda *t: _official_blend(*t, offset, sigma), [x, r, masks], grad)
+    with set_backend("reference"):
+        got = _grads(lambda *t: soft_mask_blend(*t, offset, smooth_sigma=sigma), [x, r, masks], grad)
+    for name, e, o in zip(("out", "dx", "dr", "dmasks"), expected, got, strict=True):
+        assert_close(o, e, atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("offset", [(0.0, 0.0), (0.6, 0.3)])
+def test_smoothed_reference_gradcheck(offset: tuple[float, float]) -> None:
+    # Masks inside (0.05, 0.95): the blur stays off the clamp's kinks, where gradcheck's finite differences jump.
+    x = torch.randn(2, 2, 8, 7, dtype=torch.float64, requires_grad=True)
+    r0 = torch.randn(1, 2, 8, 7, dtype=torch.float64, requires_grad=True)
+    masks = (torch.rand(2, 3, 3, 3, dtype=torch.float64) * 0.9 + 0.05).requires_grad_()
+    with set_backend("reference"):
+        assert torch.autograd.gradcheck(
+            lambda a, r, m: soft_mask_blend(a, r.expand(2, -1, -1, -1), m, offset, smooth_sigma=1.0), (x, r0, masks)
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_smoothing_reflects_at_the_edges(backend: str) -> None:
+    """One-pixel cells, one hot cell next to the corner. Reflect padding maps pixel -1 to 1: pixel 0 sees pixel 1
+    through its taps at offsets -1 and +1, pixel 1 sees itself at offsets 0 and -2 (zero or replicate padding would
+    count one tap each)."""
+    n, sigma = 8, 1.0
+    t = gaussian_taps(sigma)
+    mid = t.numel() // 2
+    masks = torch.zeros(1, 1, n, n)
+    masks[0, 0, 1, 1] = 1.0
+    with set_backend(backend):
+        out = soft_mask_blend(torch.zeros(1, 1, n, n), torch.ones(1, 1, n, n), masks, smooth_sigma=sigma)[0, 0, 0]
+    w0, w1 = 2 * float(t[mid + 1]), float(t[mid] + t[mid + 2])  # weight of pixel 1 seen from pixel 0, from itself
+    assert_close(out[0, 0].item(), w0 * w0, **tol("soft_mask_blend", FP32))
+    assert_close(out[0, 1].item(), w0 * w1, **tol("soft_mask_blend", FP32))
+    assert_close(out[1, 1].item(), w1 * w1, **tol("soft_mask_blend", FP32))
+    assert_close(out, out.T, **tol("soft_mask_blend", FP32))  # the same blur along rows and columns
+
+
+@pytest.mark.parametrize(
+    "b,h,w,g,offset,sigma,dtype",
+    [(2, *case, FP32) for case in SMOOTH_CASES] + [(2, 13, 10, 3, OFFSET, 1.0, dt) for dt in (FP16, BF16)],
+)
+def test_smoothed_blend_fused_matches_reference(
+    b: int, h: int, w: int, g: int, offset: tuple, sigma: float, dtype: torch.dtype
+) -> None:
+    n_masks, c = 3, 2
+    mask_dtype = torch.float32 if dtype == FP16 else dtype
+    x, r = torch.randn(b, c, h, w, dtype=dtype), torch.randn(b, c, h, w, dtype=dtype)
+    masks = (torch.rand(b, n_masks, g, g) * 1.4 - 0.2).to(mask_dtype)
+    grad = torch.randn(b, n_masks, c, h, w, dtype=dtype)
+    expected, got = _blend_both([x, r, masks], grad, offset, sigma)
+    names, dtypes = ("out", "dx", "dr", "dmasks"), (dtype, dtype, dtype, mask_dtype)
+    for name, e, o, want in zip(names, expected, got, dtypes, strict=True):
+        assert o.dtype == want and o.shape == e.shape, name
+        assert_close(o.double(), e, **tol("soft_mask_blend", dtype), msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_smoothed_blend_fused_tiles_many_masks() -> None:
+    """More masks than one backward block: the partial cell gradients of every block reach their own masks."""
+    b, c, h, w, g, n_masks = 1, 2, 9, 7, 3, 40
+    x, r = torch.randn(b, c, h, w), torch.randn(b, c, h, w)
+    masks = torch.rand(b, n_masks, g, g)
+    grad = torch.randn(b, n_masks, c, h, w)
+    expected, got = _blend_both([x, r, masks], grad, OFFSET, 1.0)
+    for name, e, o in zip(("out", "dx", "dr", "dmasks"), expected, got, strict=True):
+        assert_close(o.double(), e, **tol("soft_mask_blend", FP32), msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_smoothing_zero_is_no_smoothing_and_constant_masks_stay_constant(backend: str) -> None:
+    b, s, c, h, w, g = 2, 3, 2, 9, 7, 3
+    x, r = torch.randn(b, c, h, w), torch.randn(b, c, h, w)
+    masks = torch.rand(b, s, g, g)
+    with set_backend(backend):
+        plain = soft_mask_blend(x, r, masks, OFFSET)
+        assert torch.equal(soft_mask_blend(x, r, masks, OFFSET, smooth_sigma=0.0), plain)
+        zeros = soft_mask_blend(x, r, torch.zeros(b, s, g, g), OFFSET, smooth_sigma=1.0)
+        half = soft_mask_blend(x, r, torch.full((b, s, g, g), 0.5), OFFSET, smooth_sigma=1.0)
+        smooth = soft_mask_blend(x, r, masks, OFFSET, smooth_sigma=1.0)
+    assert torch.equal(zeros, x[:, None].expand_as(zeros))  # a blur of zeros is exactly zero
+    assert_close(half, torch.lerp(x, r, 0.5)[:, None].expand_as(half), **tol("soft_mask_blend", FP32))
+    assert not torch.allclose(smooth, plain)  # the blur moved mask values across cell edges
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -288,6 +434,10 @@ _BAD_BLEND = [
     (lambda: soft_mask_blend(_X, _R, torch.zeros(2, 4, 6, 6)), r"masks grid size must be <= min\(H, W\) = 5"),
     (lambda: soft_mask_blend(_X, _R, torch.full((2, 4, 3, 3), float("nan"))), "masks contains NaN"),
     (lambda: soft_mask_blend(_X, _R, _M, (0.5, 1.0)), r"offset entries .* \[0, 1\)"),
+    (lambda: soft_mask_blend(_X, _R, _M, smooth_sigma=-0.5), "smooth_sigma must be a finite number >= 0"),
+    (lambda: soft_mask_blend(_X, _R, _M, smooth_sigma=float("nan")), "smooth_sigma must be a finite number"),
+    (lambda: soft_mask_blend(_X, _R, _M, smooth_sigma=True), "smooth_sigma must be a finite number"),
+    (lambda: soft_mask_blend(_X, _R, _M, smooth_sigma=2.0), r"13-tap blur .* \(6 px\) .* min\(H, W\) = 5"),
 ]
 
 

@@ -4,6 +4,7 @@ config with ``dataclasses.replace``, which validates again)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,9 @@ class AHAConfig:
             endpoints) or "random" (sorted uniform draws plus both endpoints).
         references: reference images drawn from at random each step ("black", "mean", "blur").
         peak_weight: weight w of the peak penalty mean(relu(A - avgpool(A))^2); peak_kernel its window.
+        mask_sigma: Gaussian blur (px) of the upsampled soft masks before blending, as the official training does
+            (reflect padding, 2 * ceil(3 sigma) + 1 taps, clamp to [0, 1]); ``None`` = 1.0 at 224 px scaled with
+            the image side (official, scaled), 0 = off. Evaluation and the hard metric never smooth.
         targets: "pred+label" explains the predicted class and the label (or the runner-up where they agree);
             "pred" only the predicted class.
 
@@ -68,6 +72,7 @@ class AHAConfig:
     references: tuple[str, ...] = REFERENCES
     peak_weight: float = 0.0025
     peak_kernel: int | None = None
+    mask_sigma: float | None = None
     targets: str = "pred+label"
 
     lr: float = 3e-4
@@ -118,13 +123,19 @@ class AHAConfig:
             raise ValueError(f"targets must be one of {TARGET_MODES}, got {self.targets!r}")
         if self.peak_kernel is not None and check_int_at_least(self.peak_kernel, "peak_kernel", 1) % 2 == 0:
             raise ValueError(f"peak_kernel must be a positive odd int, got {self.peak_kernel!r}")
+        if self.mask_sigma is not None and not (
+            isinstance(self.mask_sigma, int | float) and not isinstance(self.mask_sigma, bool)
+            and math.isfinite(self.mask_sigma) and self.mask_sigma >= 0
+        ):  # fmt: skip
+            raise ValueError(f"mask_sigma must be None or a finite number >= 0, got {self.mask_sigma!r}")
 
     def resolved(self, img_size: int) -> AHAConfig:
         """A copy with the size-dependent defaults filled in for square-ish images of side ``img_size``."""
         grid_range = self.grid_range or (max(1, round(img_size / 32)), max(1, round(img_size / 8)))
         grid_range = (min(grid_range[0], img_size), min(grid_range[1], img_size))
         peak_kernel = self.peak_kernel or max(3, round(15 * img_size / 224) | 1)
-        return dataclasses.replace(self, grid_range=grid_range, peak_kernel=peak_kernel)
+        mask_sigma = 1.0 * img_size / 224 if self.mask_sigma is None else self.mask_sigma
+        return dataclasses.replace(self, grid_range=grid_range, peak_kernel=peak_kernel, mask_sigma=mask_sigma)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (tuples become lists)."""

@@ -3,7 +3,8 @@
 One evaluation of the objective for maps A (B, H, W):
   region scores s = region_pool(A, g, offset) (B, g*g)  ->  soft top-k masks for S fractions, from s (deletion:
   most important first) and from -s (insertion: least important first)  ->  perturbed images
-  x + up(m) * (r - x) (B, S, C, H, W)  ->  softmax probability of the target class  ->  trapezoid AUC.
+  x + up(m) * (r - x) (B, S, C, H, W), the upsampled masks Gaussian-smoothed in training as the official code does
+  (``mask_sigma``)  ->  softmax probability of the target class  ->  trapezoid AUC.
 loss = delAUC + (1 - insAUC) + w * mean(relu(A - avgpool(A))^2).
 
 The region scores enter the sorter raw, as in the paper. Their scale acts as an inverse temperature (the cost
@@ -83,6 +84,7 @@ def soft_auc_loss(
     generator: torch.Generator | int | None = None,
     peak_weight: float = 0.0,
     peak_kernel: int = 3,
+    mask_sigma: float = 0.0,
     amp: bool = False,
 ) -> SoftAUC:
     """Differentiable deletion and insertion AUC of ``maps`` for ``classifier``.
@@ -95,6 +97,9 @@ def soft_auc_loss(
         fractions: (S,) increasing fractions in [0, 1] at which the curves are sampled.
         tau, n_iters, noise, generator: the Gumbel-Sinkhorn sorter (see :func:`kernels.soft_topk_masks`).
         peak_weight, peak_kernel: the peak penalty term.
+        mask_sigma: Gaussian smoothing of the upsampled masks before blending, in pixels (official training: 1.0
+            at 224 px, 7 taps, reflect padding, clamped to [0, 1]; see :func:`kernels.soft_mask_blend`); 0 blends
+            with the hard cell masks. Training passes ``AHAConfig.mask_sigma``; evaluation never smooths.
         amp: bf16 autocast of the classifier on CUDA.
 
     Returns:
@@ -111,7 +116,7 @@ def soft_auc_loss(
     )
     masks = masks.view(2 * bsz, fractions.numel(), grid, grid)
     images = kernels.soft_mask_blend(
-        torch.cat((x, x)), torch.cat((reference, reference)), masks, offset, validate=False
+        torch.cat((x, x)), torch.cat((reference, reference)), masks, offset, smooth_sigma=mask_sigma, validate=False
     )
     curves = target_probabilities(classifier, images, torch.cat((target, target)), amp=amp)
     aucs = trapezoid_auc(curves, fractions.to(curves.dtype))

@@ -185,7 +185,7 @@ def _train_step(
     result = soft_auc_loss(
         classifier, xs, maps, target, reference, grid=grid, fractions=fractions, tau=tau, n_iters=cfg.n_iters,
         offset=offset, noise=cfg.noise, generator=sorter_seed, peak_weight=cfg.peak_weight,
-        peak_kernel=cfg.peak_kernel or 3, amp=cfg.amp,
+        peak_kernel=cfg.peak_kernel or 3, mask_sigma=cfg.mask_sigma or 0.0, amp=cfg.amp,
     )  # fmt: skip
     result.loss.backward()
     return {
