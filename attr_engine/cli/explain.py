@@ -22,6 +22,11 @@ launcher) every process lists the same inputs and takes its round-robin share (:
 image is done twice or missed; no process group is needed. Each process writes its own maps and its own manifest,
 ``OUT/_manifest/rank<R>-of-<N>.json`` (inputs of its share, maps written, inputs already done, unreadable files).
 
+With ``--engine ray`` (:mod:`attr_engine.ray`) a Ray Data actor pool computes the maps (``--actors``,
+``--gpus-per-actor``; ``--address`` joins a running cluster) and this process writes them with the same code: the
+same files, the same journal and settings, so either engine resumes the other's run. The actors get the batches
+this loop would form, so deterministic methods give the same maps bit for bit.
+
 Unreadable images are reported one line each and listed in the manifest; the others are still written and the exit
 status stays 0 (a single unreadable input file is an error).
 """
