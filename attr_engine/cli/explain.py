@@ -22,6 +22,11 @@ launcher) every process lists the same inputs and takes its round-robin share (:
 image is done twice or missed; no process group is needed. Each process writes its own maps and its own manifest,
 ``OUT/_manifest/rank<R>-of-<N>.json`` (inputs of its share, maps written, inputs already done, unreadable files).
 
+With ``--engine ray`` (:mod:`attr_engine.ray`) a Ray Data actor pool computes the maps (``--actors``,
+``--gpus-per-actor``; ``--address`` joins a running cluster) and this process writes them with the same code: the
+same files, the same journal and settings, so either engine resumes the other's run. The actors get the batches
+this loop would form, so deterministic methods give the same maps bit for bit.
+
 Unreadable images are reported one line each and listed in the manifest; the others are still written and the exit
 status stays 0 (a single unreadable input file is an error).
 """
@@ -54,6 +59,7 @@ SETTINGS_FILE = "explain.json"
 MANIFEST_DIR = "_manifest"
 JOURNAL_SUFFIX = ".jsonl"
 FORMATS = ("npy", "safetensors")
+ENGINES = ("local", "ray")
 
 # numpy and torch are imported where they are used: `attr-engine explain --help` must not load them.
 if TYPE_CHECKING:
@@ -122,6 +128,27 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
     p.add_argument("--limit", type=int, help="make at most this many new maps in this run (chunked runs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_device_arg(p)
+    scale = p.add_argument_group("engine (Ray Data: pip install 'attr-engine[ray]')")
+    scale.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="local",
+        help="local (default: this process, or one process per rank under torchrun) or ray (a Ray Data job: an "
+        "actor pool loads the classifier and method once per actor; same outputs, same resume)",
+    )
+    scale.add_argument(
+        "--address",
+        metavar="ADDR",
+        help="with --engine ray: the Ray cluster to join (e.g. ray://head:10001, or auto); default: $RAY_ADDRESS, "
+        "else a local cluster on this machine. INPUT must be readable at the same path on every node",
+    )
+    scale.add_argument("--actors", type=int, help="with --engine ray: actors in the pool (default 1)")
+    scale.add_argument(
+        "--gpus-per-actor",
+        type=float,
+        help="with --engine ray: GPUs each actor reserves; 0.5 runs two actors per GPU (default: 1 when the "
+        "cluster has GPUs and --device is not cpu, else 0)",
+    )
     p.set_defaults(run=run_explain)
     return {"explain": p}
 
@@ -190,17 +217,40 @@ class _Decoded:
         return len(self.items)
 
     def __getitem__(self, i: int) -> _Input:
-        import torch
-
-        from attr_engine.imageops import pil_to_tensor, preprocess
-
         item = self.items[i]
         try:
             img = self.reader._decode(item.path)
         except ValueError as err:
             return _Input(item, None, error=str(err))
-        original = pil_to_tensor(img).mul_(255).round_().to(torch.uint8) if self.keep_original else None
-        return _Input(item, preprocess(img, self.config), (img.height, img.width), original)
+        return _Input(item, *prepare_input(img, self.config, self.keep_original))
+
+
+def prepare_input(
+    img: Any, config: Any, keep_original: bool
+) -> tuple[torch.Tensor, tuple[int, int], torch.Tensor | None]:
+    """A decoded PIL image as the classifier sees it: ``x (3, H, W)`` (:func:`attr_engine.imageops.preprocess`), the
+    image's ``(h, w)``, and (``keep_original``) the image itself as ``(3, h, w)`` uint8 for overlays.
+
+    Both engines (this module's loop and :mod:`attr_engine.ray`'s actors) cut their inputs here.
+    """
+    import torch
+
+    from attr_engine.imageops import pil_to_tensor, preprocess
+
+    original = pil_to_tensor(img).mul_(255).round_().to(torch.uint8) if keep_original else None
+    return preprocess(img, config), (img.height, img.width), original
+
+
+def explain_batch(
+    classifier: Any, explainer: Any, x: torch.Tensor, target: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Maps of a batch ``x (B, 3, H, W)`` on the classifier's device: ``(B, H, W)`` float32 on the CPU, and the
+    classes explained ``(B,)`` on ``x``'s device (``target``, or the predicted classes when it is ``None``)."""
+    import torch
+
+    with torch.no_grad():
+        target = classifier(x).argmax(1) if target is None else target.to(x.device)
+    return explainer.attribute(x, target).float().cpu(), target
 
 
 def _settings(args: argparse.Namespace, method: str, options: dict[str, Any], classifier: Any, config: Any) -> dict:
@@ -345,6 +395,57 @@ def _write_map(amap: torch.Tensor, path: Path, fmt: str, meta: dict[str, str]) -
         save_safetensors({"map": amap}, path, meta)
 
 
+class _Outputs:
+    """Writes one input's outputs (map, overlay) atomically, then its journal line: the same for both engines."""
+
+    def __init__(self, args: argparse.Namespace, out: Path, method: str, settings: dict, journal_file: Any) -> None:
+        self.args, self.out, self.method, self.settings, self.journal_file = args, out, method, settings, journal_file
+        self.digest = settings_digest(settings)
+        self.written: list[dict[str, Any]] = []
+        self.recorded = False
+
+    def write(self, item: Item, amap: torch.Tensor, shown: torch.Tensor | None, target: int) -> None:
+        """``amap``: the map in its output frame, ``(h, w)`` (image) or ``(H, W)`` (model); ``shown``: the
+        ``(3, ., .)`` float picture in [0, 1] its overlay is drawn on (needed with ``--png``)."""
+        from attr_engine.checkpoint import save_json
+        from attr_engine.visualize import save_overlay
+
+        args = self.args
+        meta = {"input": item.name, "method": self.method, "target": str(target)}
+        if not args.model_frame:
+            meta["frame"] = "image"
+        _write_map(amap.contiguous(), self.out / item.map_file, args.format, meta)
+        if args.png:
+            save_overlay(shown, amap, self.out / item.png_file, cmap=args.cmap, alpha=args.alpha)
+        # One line per finished input, after its files are in place: a kill before it redoes the input.
+        line = {"output": item.map_file.as_posix(), "digest": self.digest, "time_ns": time.time_ns()}
+        self.journal_file.write(json.dumps(line) + "\n")
+        self.journal_file.flush()
+        if not self.recorded:
+            # Recorded once a map exists: a run that fails before leaves nothing to block a rerun.
+            save_json(self.settings, self.out / SETTINGS_FILE)
+            self.recorded = True
+        self.written.append({"input": item.name, "output": item.map_file.as_posix(), "target": target})
+
+
+def _check_engine_args(args: argparse.Namespace) -> None:
+    if args.engine != "ray":
+        for flag in ("address", "actors", "gpus_per_actor"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag.replace('_', '-')} applies to --engine ray only")
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise UsageError("--engine ray needs Ray Data: pip install 'attr-engine[ray]' (or 'ray[data]')")
+    if args.actors is None:
+        args.actors = 1
+    if args.actors < 1:
+        raise UsageError(f"--actors must be >= 1, got {args.actors}")
+    if args.gpus_per_actor is not None and not args.gpus_per_actor >= 0:
+        raise UsageError(f"--gpus-per-actor must be >= 0, got {args.gpus_per_actor}")
+
+
 def run_explain(args: argparse.Namespace) -> int:
     import torch
     from torch.utils.data import DataLoader
@@ -353,8 +454,8 @@ def run_explain(args: argparse.Namespace) -> int:
     from attr_engine.checkpoint import save_json
     from attr_engine.distributed import process_rank, shard
     from attr_engine.imageops import data_config, to_image_frame
-    from attr_engine.visualize import save_overlay
 
+    _check_engine_args(args)
     if not 0.0 <= args.alpha <= 1.0:
         raise UsageError(f"--alpha must be between 0 and 1, got {args.alpha}")
     if args.cmap is not None:
@@ -372,6 +473,8 @@ def run_explain(args: argparse.Namespace) -> int:
         rank, world = process_rank()
     except ValueError as err:
         raise UsageError(str(err)) from None
+    if args.engine == "ray" and world > 1:
+        raise UsageError("--engine ray schedules its own workers: run it once, not under torchrun (RANK / WORLD_SIZE)")
     src, out = Path(args.input), Path(args.out)
     if not src.exists():
         raise UsageError(f"input not found: {src}")
@@ -389,7 +492,13 @@ def run_explain(args: argparse.Namespace) -> int:
             f"--target label: {unlabelled} image(s) directly in {src} are in no class folder; move them into one or "
             "explain them with another --target"
         )
-    device = resolve_device(args.device)
+    if args.engine == "ray":
+        # The driver only checks the settings and writes: the actors hold the classifier on their devices. Seeded
+        # as every actor is before it builds the classifier, so random weights (--model alone) are the same there.
+        device = resolve_device("cpu")
+        torch.manual_seed(args.seed)
+    else:
+        device = resolve_device(args.device)
     classifier = load_classifier_args(args, device, img_size=args.img_size)
     img_size = args.img_size or (classifier.input_size[1] if classifier.input_size else 224)
     # A train-classifier / demo checkpoint learnt on whole frames (resized, crop_pct 1.0); a timm model on timm's crop.
@@ -429,58 +538,63 @@ def run_explain(args: argparse.Namespace) -> int:
     # --limit counts maps written: unreadable files among the inputs do not use it up (the loop stops at the limit).
     limit = len(todo) if args.limit is None else args.limit
 
-    written: list[dict[str, Any]] = []
     unreadable: list[dict[str, str]] = []
-    decoded = _Decoded(todo, reader, config, keep_original=args.png and not args.model_frame)
-    loader = DataLoader(decoded, batch_size=args.batch_size, num_workers=args.workers, collate_fn=list)
+    keep_original = args.png and not args.model_frame
     start = time.perf_counter()
     bar = tqdm(total=min(len(todo), limit), desc=f"explain [{rank}/{world}]" if world > 1 else "explain", unit="img",
                disable=args.no_progress or not todo, dynamic_ncols=True)  # fmt: skip
     work_started()
     torch.manual_seed(args.seed)
-    recorded = False
     journal_path = out / MANIFEST_DIR / f"rank{rank}-of-{world}{JOURNAL_SUFFIX}"
     journal_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def skipped(item: Item, error: str) -> None:
+        unreadable.append({"input": item.name, "reason": error})
+        if src.is_dir():  # a single input file that cannot be read is the error reported below
+            bar.write(f"attr-engine explain: warning: skipped unreadable input: {error}", file=sys.stderr)
+
     with bar, open(journal_path, "a", encoding="utf-8") as journal_file:
-        for batch in loader:
-            if len(written) >= limit:
-                break
-            good = []
-            for entry in batch:
-                if entry.error is None:
-                    good.append(entry)
-                    continue
-                unreadable.append({"input": entry.item.name, "reason": entry.error})
-                if src.is_dir():  # a single input file that cannot be read is the error reported below
-                    bar.write(f"attr-engine explain: warning: skipped unreadable input: {entry.error}", file=sys.stderr)
-            good = good[: limit - len(written)]
-            if good:
-                batch_items = [entry.item for entry in good]
-                x = torch.stack([entry.x for entry in good]).to(device)
-                target = _target_tensor(args.target, batch_items)
-                with torch.no_grad():
-                    target = classifier(x).argmax(1) if target is None else target.to(device)
-                maps = explainer.attribute(x, target).float().cpu()
-                for entry, image, amap, t in zip(good, x.cpu(), maps, target.tolist(), strict=True):
-                    item = entry.item
-                    meta = {"input": item.name, "method": method, "target": str(t)}
-                    if not args.model_frame:
-                        amap = to_image_frame(amap, entry.size, config)
-                        meta["frame"] = "image"
-                    _write_map(amap.contiguous(), out / item.map_file, args.format, meta)
-                    if args.png:
-                        shown = image if args.model_frame else entry.original.float().div_(255)
-                        save_overlay(shown, amap, out / item.png_file, cmap=args.cmap, alpha=args.alpha)
-                    # One line per finished input, after its files are in place: a kill before it redoes the input.
-                    line = {"output": item.map_file.as_posix(), "digest": digest, "time_ns": time.time_ns()}
-                    journal_file.write(json.dumps(line) + "\n")
-                    journal_file.flush()
-                    if not recorded:
-                        # Recorded once a map exists: a run that fails before leaves nothing to block a rerun.
-                        save_json(settings, out / SETTINGS_FILE)
-                        recorded = True
-                    written.append({"input": item.name, "output": item.map_file.as_posix(), "target": t})
-            bar.update(len(good))
+        outputs = _Outputs(args, out, method, settings, journal_file)
+        written = outputs.written
+        if args.engine == "ray" and todo and limit > 0:
+            from attr_engine.ray import explain_items
+
+            # The actors get exactly the batches the local engine forms (chunks of `todo`), so their maps are the
+            # local engine's bit for bit; the outputs are written here, by the same code.
+            results = explain_items(
+                todo, args, method=method, options=options, config=config, fingerprint=settings["classifier"]
+            )
+            for result in results:
+                if result.error is not None:
+                    skipped(result.item, result.error)
+                else:
+                    outputs.write(result.item, result.map, result.shown, result.target)
+                    bar.update(1)
+                if len(written) >= limit:
+                    break
+        elif args.engine == "local":
+            decoded = _Decoded(todo, reader, config, keep_original=keep_original)
+            loader = DataLoader(decoded, batch_size=args.batch_size, num_workers=args.workers, collate_fn=list)
+            for batch in loader:
+                if len(written) >= limit:
+                    break
+                good = []
+                for entry in batch:
+                    if entry.error is None:
+                        good.append(entry)
+                    else:
+                        skipped(entry.item, entry.error)
+                good = good[: limit - len(written)]
+                if good:
+                    x = torch.stack([entry.x for entry in good]).to(device)
+                    target = _target_tensor(args.target, [entry.item for entry in good])
+                    maps, target = explain_batch(classifier, explainer, x, target)
+                    for entry, image, amap, t in zip(good, x.cpu(), maps, target.tolist(), strict=True):
+                        if not args.model_frame:
+                            amap = to_image_frame(amap, entry.size, config)
+                        shown = (image if args.model_frame else entry.original.float().div_(255)) if args.png else None
+                        outputs.write(entry.item, amap, shown, t)
+                bar.update(len(good))
 
     if src.is_file() and unreadable:
         raise UsageError(unreadable[0]["reason"])

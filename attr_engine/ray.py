@@ -1,0 +1,514 @@
+"""Dataset-scale attribution on Ray Data: a pool of actors, each holding the classifier and the method, maps batches.
+
+::
+
+    import ray
+    from attr_engine.ray import attribute_dataset
+
+    ds = ray.data.read_images("s3://bucket/val/", include_paths=True, mode="RGB")  # or a local folder
+    maps = attribute_dataset(ds, method="aha", classifier="clf.safetensors", aha="runs/aha",
+                             batch_size=32, concurrency=8, num_gpus=1, scores=True)
+    maps.write_parquet("s3://bucket/maps/")
+
+Ray streams the rows: reading and decoding run ahead of the actors only as far as the object store allows
+(backpressure), a lost actor is restarted and its batch retried, and the pool spans every node of the cluster.
+Each actor (:class:`BatchAttributor`) loads the classifier and builds the method once, from an
+:class:`AttributionJob` of plain values (file paths and names, never a model object): a checkpoint written by
+``train-classifier`` / ``demo`` or a timm model, and ``aha`` (a checkpoint directory), ``pullback`` (Pullback
+Ascent), ``pullback-soft`` or any registered baseline.
+
+**Input batches** take one of three layouts (the first column found wins):
+
+- ``image``: decoded images, as :func:`ray.data.read_images` gives them (``(h, w, 3)`` or ``(h, w)`` uint8 /
+  uint16 arrays; read with ``mode="RGB"`` for a dataset of mixed modes);
+- ``bytes`` (+ ``path``): encoded files, as ``ray.data.read_binary_files(..., include_paths=True)`` gives them,
+  decoded here exactly as ``attr-engine explain`` decodes a file (EXIF rotation, 16-bit and float greyscale);
+- ``path`` alone: files the actor opens itself (a local disk or a filesystem every node mounts);
+  ``attr-engine explain --engine ray`` uses this one.
+
+Every image is cut as the classifier expects (timm's data config: :func:`attr_engine.imageops.data_config`, the
+same :func:`attr_engine.cli.explain.prepare_input` the local engine uses). Other input columns pass through.
+
+**Output columns**: ``map`` (float32, ``(H, W)`` in the classifier's frame, or ``(h, w)`` in the image's own with
+``frame="image"``, the border the crop cut away ``NaN``), ``target`` (the class explained), ``height`` / ``width``
+(the image's size), ``error`` (``""``, or why the image could not be read: such a row has a ``(0, 0)`` map and
+target ``-1``, and the job goes on), optionally ``deletion`` / ``insertion`` (AUCs of the map, AHA protocol, ``NaN``
+for unreadable rows) and, with ``return_images``, ``original`` (``(3, h, w)`` uint8, image frame) or ``input``
+(``(3, H, W)`` float32, the classifier's input, model frame) for overlays.
+
+Ray is imported only by the functions that run a job: ``import attr_engine`` (and ``attr-engine --help``) never
+loads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import argparse
+
+    import numpy as np
+    import ray.data
+    import torch
+
+    from attr_engine.cli.explain import Item
+    from attr_engine.imageops import DataConfig
+
+__all__ = ["AttributionJob", "BatchAttributor", "ItemResult", "attribute_dataset", "explain_items", "ray_session"]
+
+FRAMES = ("model", "image")
+# Input layouts in the order they are looked for.
+LAYOUTS = ("image", "bytes", "path")
+
+
+@dataclass(frozen=True)
+class AttributionJob:
+    """What every actor needs to rebuild the classifier and the method: plain values, so it pickles in bytes.
+
+    Attributes:
+        method: ``aha``, ``pullback`` (Pullback Ascent), ``pullback-soft`` or any name of
+            :func:`attr_engine.list_explainers`.
+        classifier: a classifier checkpoint (``.safetensors``, from ``train-classifier`` / ``demo``), or ``None``.
+        model: a timm model name: the architecture of ``classifier``, or a model of its own (``pretrained`` for
+            timm's weights; without, random weights, the same on every actor: each seeds torch with ``seed``).
+        num_classes: classes of a ``model`` without checkpoint.
+        img_size: the classifier's input side (default: its own, else 224).
+        crop_pct: the centre crop's fraction (default: timm's for ``model``, 1.0 for a ``classifier`` checkpoint,
+            which was trained on whole frames); ignored when ``preprocess`` is given.
+        preprocess: the exact :class:`~attr_engine.imageops.DataConfig` to cut inputs with (the CLI passes its own).
+        aha: the AHA checkpoint directory (``method="aha"``); ``refine_steps``: its test-time refinement steps.
+        seed: seeds torch before the classifier is built and before the first batch, and AHA's refinement.
+        options: the method's own options (``{"n_masks": 2000}`` for rise).
+        target: ``"pred"`` (the predicted class), ``"label"`` (the batch's ``label`` column) or a class index.
+        frame: ``"model"`` (maps at the classifier's input size) or ``"image"`` (on the original image).
+        scores: add deletion / insertion AUCs of each map (AHA protocol, 21 points, mean-colour reference).
+        return_images: add the picture an overlay is drawn on (``original`` or ``input``, see the module doc).
+        device: ``auto`` (the actor's GPU when Ray gave it one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+        fingerprint: when set, every actor checks that its classifier has this
+            :func:`~attr_engine.aha.model.classifier_fingerprint` (a checkpoint replaced mid-job fails loudly).
+    """
+
+    method: str = "pullback"
+    classifier: str | None = None
+    model: str | None = None
+    pretrained: bool = False
+    num_classes: int | None = None
+    img_size: int | None = None
+    crop_pct: float | None = None
+    preprocess: DataConfig | None = None
+    aha: str | None = None
+    refine_steps: int = 0
+    seed: int = 0
+    options: Mapping[str, Any] = field(default_factory=dict)
+    target: str | int = "pred"
+    frame: str = "model"
+    scores: bool = False
+    return_images: bool = False
+    device: str = "auto"
+    fingerprint: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str) or not self.method.strip():
+            raise ValueError(f"method must be a method name, got {self.method!r}")
+        if self.classifier is None and self.model is None:
+            raise ValueError("no classifier: pass a checkpoint (classifier=...) or a timm model name (model=...)")
+        if self.classifier is not None and not Path(self.classifier).is_file():
+            raise FileNotFoundError(f"classifier checkpoint not found: {self.classifier}")
+        if self.aha is not None and not Path(self.aha).is_dir():
+            raise FileNotFoundError(f"AHA checkpoint directory not found: {self.aha}")
+        if self.frame not in FRAMES:
+            raise ValueError(f"frame must be one of {', '.join(FRAMES)}, got {self.frame!r}")
+        valid_index = isinstance(self.target, int) and not isinstance(self.target, bool) and self.target >= 0
+        if self.target not in ("pred", "label") and not valid_index:
+            raise ValueError(f"target must be 'pred', 'label' or a class index >= 0, got {self.target!r}")
+        if isinstance(self.refine_steps, bool) or not isinstance(self.refine_steps, int) or self.refine_steps < 0:
+            raise ValueError(f"refine_steps must be an int >= 0, got {self.refine_steps!r}")
+        for name in ("num_classes", "img_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if self.crop_pct is not None and not 0.0 < self.crop_pct <= 1.0:
+            raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct!r}")
+
+
+def build_method(job: AttributionJob, classifier: Any) -> Any:
+    """The job's explainer for ``classifier`` (``attribute(x (B, 3, H, W), target (B,)) -> (B, H, W)``)."""
+    from attr_engine import AHA, get_explainer
+
+    key = job.method.strip().lower().replace("_", "-")
+    # "pullback" is the command line's name for Pullback Ascent (its default method); the registry knows "pa".
+    key = "pullback-ascent" if key == "pullback" else key
+    kwargs = dict(job.options)
+    if key == "aha":
+        if job.aha is None:
+            raise ValueError("method 'aha' needs aha=DIR, the directory train-aha (or demo) wrote")
+        kwargs.update(aha=AHA.load(job.aha, classifier), refine_steps=job.refine_steps, seed=job.seed)
+    elif job.refine_steps:
+        raise ValueError("refine_steps applies to method 'aha' only")
+    return get_explainer(key, classifier, **kwargs)
+
+
+def _image_from_array(array: np.ndarray) -> Any:
+    """A ``read_images`` array as the PIL image :meth:`ImageFolderDataset._decode` would have made of the file."""
+    import numpy as np
+    from PIL import Image
+
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[..., 0]
+    if array.dtype == np.uint8 and (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (3, 4))):
+        return Image.fromarray(array).convert("RGB")
+    if array.ndim == 2 and array.dtype in (np.uint16, np.int32, np.float32):
+        # High bit depth greyscale, in [0, 1] as the folder reader scales it (16-bit by 65535, float as is).
+        scale = 1.0 if array.dtype == np.float32 else 65535.0
+        return Image.fromarray(np.clip(array.astype(np.float32) / scale, 0.0, 1.0))
+    raise ValueError(f"unsupported image array {array.dtype} {array.shape}: read the images with mode='RGB'")
+
+
+def _decode_row(batch: Mapping[str, Any], layout: str, i: int) -> Any:
+    """Row ``i`` of a batch as a PIL image; a ValueError naming the image when it cannot be read."""
+    from attr_engine.data.folder import ImageFolderDataset
+
+    path = str(batch["path"][i]) if "path" in batch else f"row {i}"
+    if layout == "path":
+        return ImageFolderDataset._decode(Path(path))
+    if layout == "image":
+        try:
+            return _image_from_array(batch["image"][i])
+        except ValueError as err:
+            raise ValueError(f"cannot read image {path}: {err}") from None
+    buffer = io.BytesIO(bytes(batch["bytes"][i]))
+    try:
+        return ImageFolderDataset._decode(buffer)  # type: ignore[arg-type]  # PIL opens a file object as a path
+    except ValueError as err:
+        # Name the file, as the local engine's message does, instead of the in-memory buffer PIL saw.
+        reason = str(err.__cause__ or err).replace(repr(buffer), repr(path))
+        raise ValueError(f"cannot read image {path}: {reason}") from None
+
+
+class BatchAttributor:
+    """The callable class for :meth:`ray.data.Dataset.map_batches`: classifier and method built once per actor.
+
+    Args:
+        job: what to build and compute (:class:`AttributionJob`).
+
+    Call it on a batch (``{column: array}``, one of the layouts of the module docstring) to get the output
+    columns. An unreadable image becomes a row with its ``error``; any other failure (a bad option, a target the
+    classifier lacks) raises, so Ray retries and then fails the job loudly.
+    """
+
+    def __init__(self, job: AttributionJob) -> None:
+        import torch
+
+        from attr_engine.aha.model import classifier_fingerprint
+        from attr_engine.cli._common import load_classifier_args, resolve_device
+        from attr_engine.imageops import data_config
+
+        self.job = job
+        self.device = resolve_device(job.device)
+        torch.manual_seed(job.seed)  # random weights (a timm model without pretrained) alike on every actor
+        spec = SimpleNamespace(
+            classifier=job.classifier, model=job.model, pretrained=job.pretrained, num_classes=job.num_classes
+        )
+        self.classifier = load_classifier_args(spec, self.device, img_size=job.img_size)
+        if job.fingerprint is not None and classifier_fingerprint(self.classifier) != job.fingerprint:
+            raise ValueError(
+                f"the classifier this actor loaded ({job.classifier or job.model}) is not the one the job was set up "
+                "with (its weights differ): was the checkpoint replaced?"
+            )
+        # A checkpoint from train-classifier learnt on whole frames (crop 1.0); a timm model on timm's crop.
+        crop_pct = job.crop_pct if job.crop_pct is not None else (1.0 if job.classifier else None)
+        self.config = job.preprocess or data_config(self.classifier, img_size=job.img_size, crop_pct=crop_pct)
+        self.explainer = build_method(job, self.classifier)
+        torch.manual_seed(job.seed)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        """``batch``: ``{column: (N, ...) array}``; returns the output columns, N rows, in the same order."""
+        import numpy as np
+        import torch
+
+        from attr_engine.cli.explain import explain_batch, prepare_input
+        from attr_engine.imageops import to_image_frame
+        from attr_engine.metrics import deletion_insertion
+
+        job = self.job
+        layout = next((name for name in LAYOUTS if name in batch), None)
+        if layout is None:
+            raise ValueError(f"a batch needs an 'image', 'bytes' or 'path' column; got {', '.join(batch) or 'none'}")
+        n = len(batch[layout])
+        keep_original = job.return_images and job.frame == "image"
+        prepared: list[Any] = []
+        errors = [""] * n
+        for i in range(n):
+            try:
+                prepared.append(prepare_input(_decode_row(batch, layout, i), self.config, keep_original))
+            except ValueError as err:
+                prepared.append(None)
+                errors[i] = str(err)
+        good = [i for i in range(n) if prepared[i] is not None]
+
+        empty = np.zeros((0, 0), np.float32)
+        maps: list[np.ndarray] = [empty] * n
+        images: list[np.ndarray] = [np.zeros((0, 0, 0), np.uint8 if keep_original else np.float32)] * n
+        targets = np.full(n, -1, np.int64)
+        sizes = np.zeros((n, 2), np.int64)
+        deletion, insertion = np.full(n, np.nan, np.float32), np.full(n, np.nan, np.float32)
+        if good:
+            x = torch.stack([prepared[i][0] for i in good]).to(self.device)
+            target = self._targets(batch, good)
+            model_maps, target = explain_batch(self.classifier, self.explainer, x, target)
+            if job.scores:
+                di = deletion_insertion(self.classifier, x, model_maps, target)
+                deletion[good] = di.deletion.float().cpu().numpy()
+                insertion[good] = di.insertion.float().cpu().numpy()
+            targets[good] = target.cpu().numpy()
+            inputs = x.cpu()
+            for k, i in enumerate(good):
+                _, size, original = prepared[i]
+                sizes[i] = size
+                amap = model_maps[k] if job.frame == "model" else to_image_frame(model_maps[k], size, self.config)
+                maps[i] = amap.contiguous().numpy()
+                if job.return_images:
+                    images[i] = (original if keep_original else inputs[k]).numpy()
+
+        out = {name: column for name, column in batch.items() if name not in ("image", "bytes")}
+        out.update(map=maps, target=targets, height=sizes[:, 0], width=sizes[:, 1], error=np.array(errors))
+        if job.scores:
+            out.update(deletion=deletion, insertion=insertion)
+        if job.return_images:
+            out["original" if keep_original else "input"] = images
+        return out
+
+    def _targets(self, batch: Mapping[str, Any], good: list[int]) -> torch.Tensor | None:
+        import torch
+
+        target = self.job.target
+        if target == "pred":
+            return None
+        if target == "label":
+            if "label" not in batch:
+                raise ValueError("target 'label' needs a 'label' column in the dataset")
+            labels = torch.as_tensor([int(batch["label"][i]) for i in good])
+        else:
+            labels = torch.full((len(good),), int(target))
+        num_classes = self.classifier.num_classes
+        bad = labels[(labels < 0) | (labels >= num_classes)]
+        if bad.numel():
+            raise ValueError(f"target {int(bad[0])} is not a class of this classifier (0 to {num_classes - 1})")
+        return labels
+
+
+def _map_job(
+    ds: ray.data.Dataset,
+    job: AttributionJob,
+    *,
+    batch_size: int,
+    concurrency: int | tuple[int, int],
+    num_gpus: float,
+    num_cpus: float,
+) -> ray.data.Dataset:
+    import ray.data
+
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    low, high = concurrency if isinstance(concurrency, tuple) else (concurrency, concurrency)
+    if not 1 <= low <= high:
+        raise ValueError(f"concurrency must be an int >= 1 or a (min, max) pair, got {concurrency!r}")
+    if not num_gpus >= 0 or not num_cpus >= 0:
+        raise ValueError(f"num_gpus and num_cpus must be >= 0, got {num_gpus!r} and {num_cpus!r}")
+    return ds.map_batches(
+        BatchAttributor,  # looked up at call time, so a subclass can stand in (tests kill workers with one)
+        fn_constructor_args=(job,),
+        batch_size=batch_size,
+        batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(min_size=low, max_size=high),
+        num_gpus=num_gpus,
+        num_cpus=num_cpus,
+    )
+
+
+def attribute_dataset(
+    ds: ray.data.Dataset,
+    method: str = "pullback",
+    classifier: str | os.PathLike[str] | None = None,
+    *,
+    model: str | None = None,
+    pretrained: bool = False,
+    num_classes: int | None = None,
+    img_size: int | None = None,
+    crop_pct: float | None = None,
+    aha: str | os.PathLike[str] | None = None,
+    refine_steps: int = 0,
+    seed: int = 0,
+    options: Mapping[str, Any] | None = None,
+    target: str | int = "pred",
+    frame: str = "model",
+    scores: bool = False,
+    return_images: bool = False,
+    device: str = "auto",
+    batch_size: int = 16,
+    concurrency: int | tuple[int, int] = 1,
+    num_gpus: float = 0.0,
+    num_cpus: float = 1.0,
+) -> ray.data.Dataset:
+    """Attribution maps for every image of ``ds``, lazily: a Ray Dataset of the output columns (module docstring).
+
+    Args:
+        ds: a dataset in one of the input layouts (``read_images``, ``read_binary_files(include_paths=True)``, or
+            a ``path`` column).
+        method: the method name (see :class:`AttributionJob`).
+        classifier: a classifier checkpoint file (``.safetensors``), or a timm model name (then the same as
+            ``model``); ``model`` names the checkpoint's architecture when its file does not record one.
+        options: the method's own options; the other keywords before ``batch_size`` are :class:`AttributionJob`'s.
+        batch_size: images per actor call (memory: the method's working set for this many images).
+        concurrency: actors in the pool, or ``(min, max)`` for a pool Ray grows and shrinks.
+        num_gpus: GPUs per actor: 1 for one actor per GPU, 0.5 for two (small models keep a GPU busier so), 0 on
+            CPUs. ``num_cpus``: CPU cores per actor (torch in the actor uses that many threads).
+
+    Returns:
+        The lazy output dataset: write it (``write_parquet``), or iterate it (``iter_rows``).
+    """
+    if (
+        model is None
+        and classifier is not None
+        and not (
+            isinstance(classifier, os.PathLike)
+            or str(classifier).endswith(".safetensors")
+            or Path(classifier).is_file()
+        )
+    ):
+        model, classifier = str(classifier), None  # a timm model name
+    job = AttributionJob(
+        method=method,
+        classifier=None if classifier is None else str(classifier),
+        model=model,
+        pretrained=pretrained,
+        num_classes=num_classes,
+        img_size=img_size,
+        crop_pct=crop_pct,
+        aha=None if aha is None else str(aha),
+        refine_steps=refine_steps,
+        seed=seed,
+        options=dict(options or {}),
+        target=target,
+        frame=frame,
+        scores=scores,
+        return_images=return_images,
+        device=device,
+    )
+    return _map_job(ds, job, batch_size=batch_size, concurrency=concurrency, num_gpus=num_gpus, num_cpus=num_cpus)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `attr-engine explain --engine ray`: the driver's side
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None = None) -> Iterator[None]:
+    """Ray, connected: the running session if there is one (left running), else ``address`` (``None``: the cluster
+    in ``$RAY_ADDRESS``, else a new local one), shut down on exit."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(address=address, include_dashboard=False, configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@dataclass
+class ItemResult:
+    """One input's outcome: its map in the output frame and the overlay's picture, or why it could not be read."""
+
+    item: Item
+    map: torch.Tensor | None = None
+    shown: torch.Tensor | None = None
+    target: int = -1
+    error: str | None = None
+
+
+def explain_items(
+    items: list[Item],
+    args: argparse.Namespace,
+    *,
+    method: str,
+    options: Mapping[str, Any],
+    config: DataConfig,
+    fingerprint: str,
+) -> Iterator[ItemResult]:
+    """Run ``explain``'s job for ``items`` on Ray; yields each input's result once, in the order they finish.
+
+    The dataset is built of blocks of exactly ``--batch-size`` inputs, in order: the batches the local engine
+    would form, so a deterministic method gives the same maps bit for bit (a batch's composition changes the
+    floating-point rounding of a convolution's gradient).
+    """
+    import pandas as pd
+    import ray
+    import ray.data
+    import torch
+
+    job = AttributionJob(
+        method=method,
+        classifier=args.classifier,
+        model=args.model,
+        pretrained=args.pretrained,
+        num_classes=args.num_classes,
+        img_size=args.img_size,
+        preprocess=config,
+        aha=args.aha,
+        refine_steps=args.refine_steps,
+        seed=args.seed,
+        options=dict(options),
+        target=args.target if args.target in ("pred", "label") else int(args.target),
+        frame="model" if args.model_frame else "image",
+        return_images=args.png,
+        device=args.device,
+        fingerprint=fingerprint,
+    )
+    size = args.batch_size
+    blocks = [
+        pd.DataFrame(
+            {
+                # Absolute: an actor's working directory is not the driver's.
+                "path": [str(item.path.resolve()) for item in items[start : start + size]],
+                "label": [item.label for item in items[start : start + size]],
+                "index": range(start, min(start + size, len(items))),
+            }
+        )
+        for start in range(0, len(items), size)
+    ]
+    with ray_session(args.address):
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = False  # explain draws its own bar
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
+        gpus = args.gpus_per_actor
+        if gpus is None:
+            gpus = 1.0 if args.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+        ds = _map_job(ray.data.from_pandas(blocks), job, batch_size=size, concurrency=args.actors, num_gpus=gpus,
+                      num_cpus=1.0)  # fmt: skip
+        seen: set[int] = set()
+        for row in ds.iter_rows():
+            index = int(row["index"])
+            if index in seen:  # a retried batch is emitted once; this only guards the writes if that ever changes
+                continue
+            seen.add(index)
+            item = items[index]
+            if row["error"]:
+                yield ItemResult(item, error=str(row["error"]))
+                continue
+            shown = None
+            if args.png:
+                picture = torch.from_numpy(row["original" if job.frame == "image" else "input"].copy())
+                shown = picture.float().div_(255) if picture.dtype == torch.uint8 else picture
+            yield ItemResult(item, torch.from_numpy(row["map"].copy()), shown, int(row["target"]))
