@@ -38,6 +38,7 @@ __all__ = [
     "Explainer",
     "ExplainerSpec",
     "FunctionExplainer",
+    "explain_batch",
     "get_explainer",
     "list_explainers",
     "reduce_channels",
@@ -408,6 +409,25 @@ _ALIASES = {
 }
 _builtins_loaded = False
 _plugins: dict[str, metadata.EntryPoint] | None = None  # canonical name -> entry point not yet loaded
+
+
+def explain_batch(
+    classifier: nn.Module, explainer: Explainer, x: torch.Tensor, target: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Maps of one batch for the classes asked for, or the predicted ones.
+
+    Args:
+        classifier: the explained classifier (predicts the classes when ``target`` is None).
+        explainer: the method.
+        x: (B, 3, H, W) images on the classifier's device.
+        target: (B,) classes, or None.
+
+    Returns:
+        (B, H, W) float32 maps on the CPU, and the (B,) classes explained, on ``x``'s device.
+    """
+    with torch.no_grad():
+        target = classifier(x).argmax(1) if target is None else target.to(x.device)
+    return explainer.attribute(x, target).float().cpu(), target
 
 
 def _canonical(name: str) -> str:

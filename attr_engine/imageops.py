@@ -29,6 +29,7 @@ __all__ = [
     "data_config",
     "gaussian_blur",
     "pil_to_tensor",
+    "prepare_input",
     "preprocess",
     "reference_image",
     "resolve_reference",
@@ -272,6 +273,23 @@ def preprocess(img: Image.Image, config: DataConfig) -> torch.Tensor:
         img = img.resize((wr, hr), resample)
     h, w = geo.size
     return pil_to_tensor(img.crop((geo.left, geo.top, geo.left + w, geo.top + h)))
+
+
+def prepare_input(
+    img: Image.Image, config: DataConfig, keep_original: bool = False
+) -> tuple[torch.Tensor, tuple[int, int], torch.Tensor | None]:
+    """A decoded PIL image as the classifier sees it, with what is needed to draw its map back on it.
+
+    Both engines of ``attr-engine explain`` (the local loop and :mod:`attr_engine.ray`'s actors) cut their inputs
+    here, so they feed the classifier the same pixels.
+
+    Returns:
+        ``x (3, H, W)`` (:func:`preprocess`), the image's ``(h, w)``, and with ``keep_original`` the image itself as
+        ``(3, h, w)`` uint8 for overlays (uint8 because a batch of 12-megapixel photos in float32 is gigabytes),
+        else None.
+    """
+    original = pil_to_tensor(img).mul_(255).round_().to(torch.uint8) if keep_original else None
+    return preprocess(img, config), (img.height, img.width), original
 
 
 def to_image_frame(amap: torch.Tensor, image: Any, config: DataConfig) -> torch.Tensor:

@@ -27,7 +27,7 @@ Ascent), ``pullback-soft`` or any registered baseline.
   ``attr-engine explain --engine ray`` uses this one.
 
 Every image is cut as the classifier expects (timm's data config: :func:`attr_engine.imageops.data_config`, the
-same :func:`attr_engine.cli.explain.prepare_input` the local engine uses). Other input columns pass through.
+same :func:`attr_engine.imageops.prepare_input` the local engine uses). Other input columns pass through.
 
 **Output columns**: ``map`` (float32, ``(H, W)`` in the classifier's frame, or ``(h, w)`` in the image's own with
 ``frame="image"``, the border the crop cut away ``NaN``), ``target`` (the class explained), ``height`` / ``width``
@@ -234,8 +234,8 @@ class BatchAttributor:
         import numpy as np
         import torch
 
-        from attr_engine.cli.explain import explain_batch, prepare_input
-        from attr_engine.imageops import to_image_frame
+        from attr_engine.explainer import explain_batch
+        from attr_engine.imageops import prepare_input, to_image_frame
         from attr_engine.metrics import deletion_insertion
 
         job = self.job

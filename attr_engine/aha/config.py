@@ -4,7 +4,6 @@ config with ``dataclasses.replace``, which validates again)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,11 +122,8 @@ class AHAConfig:
             raise ValueError(f"targets must be one of {TARGET_MODES}, got {self.targets!r}")
         if self.peak_kernel is not None and check_int_at_least(self.peak_kernel, "peak_kernel", 1) % 2 == 0:
             raise ValueError(f"peak_kernel must be a positive odd int, got {self.peak_kernel!r}")
-        if self.mask_sigma is not None and not (
-            isinstance(self.mask_sigma, int | float) and not isinstance(self.mask_sigma, bool)
-            and math.isfinite(self.mask_sigma) and self.mask_sigma >= 0
-        ):  # fmt: skip
-            raise ValueError(f"mask_sigma must be None or a finite number >= 0, got {self.mask_sigma!r}")
+        if self.mask_sigma is not None:
+            put("mask_sigma", check_non_negative(self.mask_sigma, "mask_sigma"))
 
     def resolved(self, img_size: int) -> AHAConfig:
         """A copy with the size-dependent defaults filled in for square-ish images of side ``img_size``."""

@@ -222,35 +222,9 @@ class _Decoded:
             img = self.reader._decode(item.path)
         except ValueError as err:
             return _Input(item, None, error=str(err))
+        from attr_engine.imageops import prepare_input
+
         return _Input(item, *prepare_input(img, self.config, self.keep_original))
-
-
-def prepare_input(
-    img: Any, config: Any, keep_original: bool
-) -> tuple[torch.Tensor, tuple[int, int], torch.Tensor | None]:
-    """A decoded PIL image as the classifier sees it: ``x (3, H, W)`` (:func:`attr_engine.imageops.preprocess`), the
-    image's ``(h, w)``, and (``keep_original``) the image itself as ``(3, h, w)`` uint8 for overlays.
-
-    Both engines (this module's loop and :mod:`attr_engine.ray`'s actors) cut their inputs here.
-    """
-    import torch
-
-    from attr_engine.imageops import pil_to_tensor, preprocess
-
-    original = pil_to_tensor(img).mul_(255).round_().to(torch.uint8) if keep_original else None
-    return preprocess(img, config), (img.height, img.width), original
-
-
-def explain_batch(
-    classifier: Any, explainer: Any, x: torch.Tensor, target: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Maps of a batch ``x (B, 3, H, W)`` on the classifier's device: ``(B, H, W)`` float32 on the CPU, and the
-    classes explained ``(B,)`` on ``x``'s device (``target``, or the predicted classes when it is ``None``)."""
-    import torch
-
-    with torch.no_grad():
-        target = classifier(x).argmax(1) if target is None else target.to(x.device)
-    return explainer.attribute(x, target).float().cpu(), target
 
 
 def _settings(args: argparse.Namespace, method: str, options: dict[str, Any], classifier: Any, config: Any) -> dict:
@@ -453,6 +427,7 @@ def run_explain(args: argparse.Namespace) -> int:
 
     from attr_engine.checkpoint import save_json
     from attr_engine.distributed import process_rank, shard
+    from attr_engine.explainer import explain_batch
     from attr_engine.imageops import data_config, to_image_frame
 
     _check_engine_args(args)
