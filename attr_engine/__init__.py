@@ -49,7 +49,7 @@ _EXPORTS: dict[str, str] = {
     "SoftAdjoint": "attr_engine.pullback",
     "default_alpha": "attr_engine.pullback",
     "soft_adjoint": "attr_engine.pullback",
-    "train_classifier": "attr_engine.train",
+    "train_classifier": "attr_engine.classifier_training",
     "DataConfig": "attr_engine.imageops",
     "data_config": "attr_engine.imageops",
     "preprocess": "attr_engine.imageops",
@@ -91,12 +91,12 @@ if TYPE_CHECKING:
     from attr_engine.adapters import CaptumAdapter, quantus_explain_func
     from attr_engine.aha import AHA, AHAConfig
     from attr_engine.classifier import Classifier, load_classifier
+    from attr_engine.classifier_training import train_classifier
     from attr_engine.evaluate import Leaderboard, evaluate
     from attr_engine.explainer import Explainer, get_explainer, list_explainers, register_explainer
     from attr_engine.imageops import DataConfig, data_config, preprocess, to_image_frame
     from attr_engine.metrics import DeletionInsertion, deletion_insertion, energy_pointing_game, pointing_game
     from attr_engine.pullback import PullbackConfig, SemanticPullback, SoftAdjoint, default_alpha, soft_adjoint
-    from attr_engine.train import train_classifier
 
 
 def __getattr__(name: str) -> Any:

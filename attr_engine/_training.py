@@ -1,5 +1,5 @@
-"""Pieces shared by the two training loops: classifier training (:mod:`attr_engine.train`) and AHA decoder training
-(:mod:`attr_engine.aha.trainer`)."""
+"""Pieces shared by the two training loops: classifier training (:mod:`attr_engine.classifier_training`) and AHA
+decoder training (:mod:`attr_engine.aha.trainer`)."""
 
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ import torch
 
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.classifier import Classifier
+from attr_engine.classifier_training import evaluate_accuracy, small_model_config, train_classifier
 from attr_engine.data.shapes import ShapesDataset
 from attr_engine.metrics import deletion_insertion, energy_pointing_game, pointing_game
-from attr_engine.train import evaluate_accuracy, small_model_config, train_classifier
 
 
 def input_gradient(classifier: Classifier, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

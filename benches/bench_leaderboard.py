@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from attr_engine.aha import AHA, AHAConfig
+from attr_engine.classifier_training import evaluate_accuracy, small_model_config, train_classifier
 from attr_engine.data.shapes import ShapesDataset
 from attr_engine.evaluate import Leaderboard, evaluate
 from attr_engine.explainer import Explainer, get_explainer, list_explainers
 from attr_engine.report import leaderboard_markdown, write_markdown, write_report
-from attr_engine.train import evaluate_accuracy, small_model_config, train_classifier
 
 IMG = 64
 METRIC_NAMES = (

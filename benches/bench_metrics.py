@@ -31,8 +31,8 @@ import torch
 
 from attr_engine.adapters import quantus_explain_func
 from attr_engine.baselines import Gradient
+from attr_engine.classifier_training import small_model_config
 from attr_engine.metrics import infidelity, max_sensitivity, random_logit
-from attr_engine.train import small_model_config
 
 IMG = 64
 

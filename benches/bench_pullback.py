@@ -32,9 +32,9 @@ import pytest
 import torch
 
 from attr_engine.classifier import Classifier, load_classifier, save_classifier
+from attr_engine.classifier_training import evaluate_accuracy, small_model_config, train_classifier
 from attr_engine.data.shapes import ShapesDataset
 from attr_engine.pullback import SemanticPullback
-from attr_engine.train import evaluate_accuracy, small_model_config, train_classifier
 from benches._common import DEVICE, peak_memory_mb
 
 MODULE = "benches.bench_pullback"

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernels
 from benches.bench_region import _eager_blend, _eager_pool
 from kernels.sinkhorn import sinkhorn_eager
-from kernels.soft_adjoint import soft_gate_detach, soft_maxpool2d_detach
+from kernels.soft_gates import soft_gate_detach, soft_maxpool2d_detach
 from kernels.soft_rank import _sample_seeds, soft_topk_masks_dense, triton_gumbel_noise
 
 

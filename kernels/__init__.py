@@ -14,7 +14,7 @@ Public ops (each differentiable where it matters; see each docstring for shapes)
 from kernels._backend import get_backend, set_backend
 from kernels.region import region_pool, soft_mask_blend
 from kernels.sinkhorn import sinkhorn
-from kernels.soft_adjoint import soft_gate, soft_maxpool2d
+from kernels.soft_gates import soft_gate, soft_maxpool2d
 from kernels.soft_rank import soft_topk_masks
 
 __all__ = [

@@ -316,7 +316,7 @@ def _blend(
 
 def _gate(kind: str, dtype: torch.dtype) -> Callable[[], None]:
     def run() -> None:
-        from kernels.soft_adjoint import soft_gate
+        from kernels.soft_gates import soft_gate
 
         z = torch.randn(4, 8, 14, 14, dtype=dtype, requires_grad=True)
         _grad_of(soft_gate(z, kind), z)
@@ -326,7 +326,7 @@ def _gate(kind: str, dtype: torch.dtype) -> Callable[[], None]:
 
 def _maxpool(k: int, s: int, p: int, dtype: torch.dtype) -> Callable[[], None]:
     def run() -> None:
-        from kernels.soft_adjoint import soft_maxpool2d
+        from kernels.soft_gates import soft_maxpool2d
 
         x = torch.randn(2, 8, 56, 56, dtype=dtype, requires_grad=True)
         _grad_of(soft_maxpool2d(x, k, s, p), x)

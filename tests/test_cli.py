@@ -17,10 +17,10 @@ from PIL import Image
 from attr_engine.aha.persistence import checkpoint_dir
 from attr_engine.checkpoint import load_safetensors, save_safetensors
 from attr_engine.classifier import save_classifier
+from attr_engine.classifier_training import small_model_config
 from attr_engine.cli import explain as explain_cli
 from attr_engine.cli import main
 from attr_engine.distributed import process_rank, shard
-from attr_engine.train import small_model_config
 
 REPO = Path(__file__).resolve().parents[1]
 

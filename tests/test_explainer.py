@@ -18,12 +18,12 @@ from attr_engine import explainer as registry
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.baselines import Gradient
 from attr_engine.classifier import resolve_targets, save_classifier
+from attr_engine.classifier_training import small_model_config
 from attr_engine.cli import main
 from attr_engine.explainer import Explainer, get_explainer, list_explainers, register_explainer
 from attr_engine.metrics._checks import resolve_target
 from attr_engine.metrics.robustness import resolve_explainer_target
 from attr_engine.pullback import SemanticPullback
-from attr_engine.train import small_model_config
 from tests.aha_helpers import colour_classifier, colour_images
 from tests.eval_helpers import images, tiny_convnet
 

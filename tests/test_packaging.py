@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from attr_engine.classifier import save_classifier
-from attr_engine.train import small_model_config
+from attr_engine.classifier_training import small_model_config
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "attr_engine", "kernels")

@@ -19,9 +19,9 @@ ray = pytest.importorskip("ray")
 
 import attr_engine.ray as attr_ray  # noqa: E402  (after the skip: without Ray there is nothing to test)
 from attr_engine.classifier import save_classifier  # noqa: E402
+from attr_engine.classifier_training import small_model_config  # noqa: E402
 from attr_engine.cli import main  # noqa: E402
 from attr_engine.ray import BatchAttributor, attribute_dataset  # noqa: E402
-from attr_engine.train import small_model_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NAMES = [f"{c}/{i}.png" for c in ("cat", "dog") for i in range(12)]

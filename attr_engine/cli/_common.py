@@ -37,7 +37,7 @@ __all__ = [
     "work_started",
 ]
 
-# Small timm configurations that train on a CPU in minutes (attr_engine.train.small_model_config).
+# Small timm configurations that train on a CPU in minutes (attr_engine.classifier_training.small_model_config).
 SMALL_MODELS = {"small-resnet": "resnet", "small-vit": "vit"}
 # The embedded dataset by name, and the seed offset of its held-out images (never the training seed's images).
 EMBEDDED = "shapes"

@@ -70,10 +70,10 @@ def engine_timings(model: str, *, batch: int, img_size: int, repeats: int, devic
     import torch
 
     from attr_engine.aha import AHA, AHAConfig
+    from attr_engine.classifier_training import small_model_config
     from attr_engine.data import ShapesDataset
     from attr_engine.metrics import deletion_insertion
     from attr_engine.pullback import SemanticPullback
-    from attr_engine.train import small_model_config
 
     torch.manual_seed(0)
     classifier = small_model_config(SMALL_MODELS[model], img_size).build(6).to(device)

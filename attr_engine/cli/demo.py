@@ -170,9 +170,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from attr_engine.aha import AHA, AHAConfig
     from attr_engine.classifier import save_classifier
+    from attr_engine.classifier_training import evaluate_accuracy, small_model_config, train_classifier
     from attr_engine.data import ShapesDataset
     from attr_engine.explainer import get_explainer
-    from attr_engine.train import evaluate_accuracy, small_model_config, train_classifier
 
     sizes = _sizes(args)
     if args.seed < 0:

@@ -127,7 +127,7 @@ def run_train_classifier(args: argparse.Namespace) -> int:
 
     from attr_engine.checkpoint import save_json
     from attr_engine.classifier import save_classifier
-    from attr_engine.train import evaluate_accuracy, small_model_config, train_classifier
+    from attr_engine.classifier_training import evaluate_accuracy, small_model_config, train_classifier
 
     for flag in ("epochs", "batch_size", "num_images"):
         _positive(getattr(args, flag), "--" + flag.replace("_", "-"))

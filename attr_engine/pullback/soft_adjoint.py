@@ -6,7 +6,7 @@ carry *state* (gates, routing, normalisation statistics, attention weights) by t
 =====================  =========================================================================================
 layer                  backward inside the context
 =====================  =========================================================================================
-ReLU                   ``grad * Phi(z / relu_tau)`` (:func:`kernels.soft_adjoint.soft_gate`)
+ReLU                   ``grad * Phi(z / relu_tau)`` (:func:`kernels.soft_gates.soft_gate`)
 ReLU6                  ``grad * (Phi(z / relu_tau) - Phi((z - 6) / relu_tau))``: the same soft step at both kinks
 GELU (erf, tanh)       ``grad * Phi(z / gelu_tau)``
 SiLU                   ``grad * sigmoid(z / silu_tau)``
@@ -68,7 +68,7 @@ from timm.models.pvt_v2 import Attention as PvtAttention
 from torch import nn
 
 from kernels._validate import check_bool, check_positive
-from kernels.soft_adjoint import DEFAULT_POOL_TAU, DEFAULT_TAU, soft_gate, soft_maxpool2d
+from kernels.soft_gates import DEFAULT_POOL_TAU, DEFAULT_TAU, soft_gate, soft_maxpool2d
 
 __all__ = ["GELU_TAU", "MAXPOOL_TAU", "RELU_TAU", "SILU_TAU", "SoftAdjoint", "soft_adjoint"]
 

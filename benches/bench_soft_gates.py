@@ -9,7 +9,7 @@
 Shapes are ResNet-50-like at batch 32: a 56 x 56 stage activation, and the stem max-pool 3 / 2 / 1 on 112 x 112
 (batch 4 on the CPU, where the eager unfold baseline would otherwise need gigabytes and seconds per call).
 
-Run from the repo root: ``python -m pytest benches/bench_soft_adjoint.py -q --benchmark-min-rounds=3``.
+Run from the repo root: ``python -m pytest benches/bench_soft_gates.py -q --benchmark-min-rounds=3``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from benches._common import DEVICE, peak_memory_mb, providers
 from kernels import set_backend
-from kernels.soft_adjoint import soft_gate, soft_gate_detach, soft_maxpool2d, soft_maxpool2d_detach
+from kernels.soft_gates import soft_gate, soft_gate_detach, soft_maxpool2d, soft_maxpool2d_detach
 
-MODULE = "benches.bench_soft_adjoint"
+MODULE = "benches.bench_soft_gates"
 ON_CUDA = DEVICE == "cuda"
 GATE_SHAPE = {"B": 32, "C": 64, "H": 56, "W": 56}
 POOL_SHAPE = {"B": 32 if ON_CUDA else 4, "C": 64, "H": 112, "W": 112}

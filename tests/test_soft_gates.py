@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import set_backend
-from kernels.soft_adjoint import (
+from kernels.soft_gates import (
     DEFAULT_TAU,
     SOFT_GATE_KINDS,
     soft_gate,

@@ -1,4 +1,7 @@
-"""Soft-adjoint layers (Semantic Pullback): exact forward, softened backward gate.
+"""Soft gates, the kernel ops of the Semantic Pullback's soft adjoint: exact forward, softened backward gate.
+
+The context manager that swaps them into a model is :func:`attr_engine.pullback.soft_adjoint.soft_adjoint`; this
+file holds only the ops it calls.
 
 - :func:`soft_gate`: ``y = act(z)`` exactly (ReLU, GELU, tanh-GELU, SiLU); the backward multiplies the incoming
   gradient by ``Phi(z / tau)`` (standard normal CDF; ReLU and GELU) or ``sigmoid(z / tau)`` (SiLU) instead of

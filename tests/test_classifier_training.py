@@ -6,8 +6,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from attr_engine.classifier import Classifier
+from attr_engine.classifier_training import ModelConfig, evaluate_accuracy, small_model_config, train_classifier
 from attr_engine.data import ShapesDataset
-from attr_engine.train import ModelConfig, evaluate_accuracy, small_model_config, train_classifier
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from attr_engine.classifier import Classifier
+from attr_engine.classifier_training import small_model_config
 from attr_engine.imageops import gaussian_blur, scaled_blur
 from attr_engine.metrics.perturbation import deletion_insertion, perturbation_counts, pixel_ranks
-from attr_engine.train import small_model_config
 from tests.conftest import requires_cuda
 
 MEAN = (0.5, 0.4, 0.3)
