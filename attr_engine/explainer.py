@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from attr_engine.classifier import Classifier, check_device, eval_mode, input_dtype, resolve_targets
-from attr_engine.imageops import REFERENCES, reference_image, scaled_blur
+from attr_engine.imageops import REFERENCES, resolve_reference
 from kernels._validate import check_tensor
 
 __all__ = [
@@ -103,28 +103,15 @@ def resolve_baselines(baselines: Any, x: torch.Tensor, classifier: nn.Module) ->
         if not math.isfinite(value):
             raise ValueError(f"baselines must be finite, got {value}")
         return value
-    if isinstance(baselines, torch.Tensor):
-        ref = baselines.unsqueeze(0) if baselines.ndim == 3 else baselines
-        if ref.ndim != 4 or ref.shape[1:] != x.shape[1:] or ref.shape[0] not in (1, x.shape[0]):
-            # The shape only: a tensor's values are no use in an error message.
-            raise ValueError(
-                f"a baselines tensor must be (3, H, W), (1, 3, H, W) or (B, 3, H, W) for inputs {tuple(x.shape)}, "
-                f"got shape {tuple(baselines.shape)}"
-            )
-        check_tensor(ref, "baselines", finite=True)
-        return ref.to(device=x.device, dtype=x.dtype).expand_as(x)
-    if isinstance(baselines, str):
-        if baselines not in REFERENCES:
-            raise ValueError(
-                f"baselines must be one of {', '.join(REFERENCES)}, a number or a tensor, got {baselines!r}"
-            )
-        if baselines == "black":
-            return 0.0
+    if isinstance(baselines, str) and baselines == "black":
+        return 0.0  # a number broadcasts: no (B, C, H, W) zeros
+    if isinstance(baselines, str) and baselines in REFERENCES:
         mean = getattr(classifier, "norm_mean", None)
         if baselines == "mean" and mean is None:
             raise ValueError("baselines='mean' needs a Classifier (it reads the normalisation mean)")
-        kernel, sigma = scaled_blur(min(x.shape[-2:]))
-        return reference_image(x, baselines, mean, blur_kernel=kernel, blur_sigma=sigma).to(x.dtype).expand_as(x)
+        return resolve_reference(baselines, x, mean, name="baselines").expand_as(x)
+    if isinstance(baselines, torch.Tensor | str):  # the package's one reference resolver, and its errors
+        return resolve_reference(baselines, x, None, name="baselines")
     raise ValueError(f"baselines must be a number, a name or a tensor, got {type(baselines).__name__}")
 
 

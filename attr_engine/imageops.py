@@ -125,7 +125,8 @@ def resolve_reference(
         if ref.ndim != 4 or ref.shape[1:] != x.shape[1:] or ref.shape[0] not in (1, x.shape[0]):
             # The shape only: a tensor's values are no use in an error message.
             raise ValueError(
-                f"{name} must be (B, 3, H, W) or (3, H, W) matching x {tuple(x.shape)}, got {tuple(reference.shape)}"
+                f"{name} must be (B, 3, H, W), (1, 3, H, W) or (3, H, W) matching x {tuple(x.shape)}, "
+                f"got shape {tuple(reference.shape)}"
             )
         return ref.to(device=x.device, dtype=x.dtype).expand_as(x)
     if not isinstance(reference, str) or reference not in REFERENCES:

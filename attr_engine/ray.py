@@ -52,6 +52,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from kernels._validate import check_int_at_least
+
 if TYPE_CHECKING:
     import argparse
 
@@ -129,12 +131,10 @@ class AttributionJob:
         valid_index = isinstance(self.target, int) and not isinstance(self.target, bool) and self.target >= 0
         if self.target not in ("pred", "label") and not valid_index:
             raise ValueError(f"target must be 'pred', 'label' or a class index >= 0, got {self.target!r}")
-        if isinstance(self.refine_steps, bool) or not isinstance(self.refine_steps, int) or self.refine_steps < 0:
-            raise ValueError(f"refine_steps must be an int >= 0, got {self.refine_steps!r}")
+        check_int_at_least(self.refine_steps, "refine_steps", 0)
         for name in ("num_classes", "img_size"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+            if getattr(self, name) is not None:
+                check_int_at_least(getattr(self, name), name, 1)
         if self.crop_pct is not None and not 0.0 < self.crop_pct <= 1.0:
             raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct!r}")
 
@@ -316,8 +316,7 @@ def _map_job(
 ) -> ray.data.Dataset:
     import ray.data
 
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    check_int_at_least(batch_size, "batch_size", 1)
     low, high = concurrency if isinstance(concurrency, tuple) else (concurrency, concurrency)
     if not 1 <= low <= high:
         raise ValueError(f"concurrency must be an int >= 1 or a (min, max) pair, got {concurrency!r}")

@@ -26,7 +26,7 @@ from torch import nn
 
 from attr_engine.baselines._captum import import_captum
 from attr_engine.explainer import Explainer
-from kernels._validate import check_int_at_least, check_positive
+from kernels._validate import check_int, check_int_at_least, check_positive
 
 __all__ = ["Gradient", "GradientXInput", "IntegratedGradients", "Occlusion", "Saliency", "SmoothGrad", "image_seeds"]
 
@@ -189,9 +189,7 @@ class SmoothGrad(Explainer):
         _check_int_option(options, "nt_samples", 1)
         _check_int_option(options, "nt_samples_batch_size", 1)
         options["stdevs"] = check_positive(options["stdevs"], "stdevs")
-        seed = options["seed"]
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
+        check_int(options["seed"], "seed")
 
     @property
     def n_samples(self) -> int:
