@@ -251,7 +251,8 @@ def _fit(
     log: Callable[[dict[str, float]], None] | None,
 ) -> None:
     net = classifier.model
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in net.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         (no_decay if p.ndim < 2 or leaf in ("pos_embed", "cls_token") else decay).append(p)
