@@ -158,29 +158,31 @@ class CaptumAdapter:
         **options: Any,
     ) -> Any:
         as_tuple = isinstance(inputs, tuple)
-        if as_tuple:
+        if isinstance(inputs, tuple):
             if len(inputs) != 1:
                 raise ValueError(f"image explainers take one input tensor, got a tuple of {len(inputs)}")
-            inputs = inputs[0]
+            x = inputs[0]
+        else:
+            x = inputs
         if isinstance(baselines, tuple) and len(baselines) == 1:
             baselines = baselines[0]
         delta = bool(options.pop("return_convergence_delta", False))
         per_channel = self.explainer.per_channel
         out = self.explainer.attribute(
-            inputs,
+            x,
             target,
             baselines,
             reduce=None if per_channel else _KEEP,
             return_convergence_delta=delta,
             **options,
         )
-        attr, d = out if delta else (out, None)
+        attr, d = out if isinstance(out, tuple) else (out, None)  # a tuple exactly when delta was asked for
         if per_channel and self.reduce is not None:
-            attr = reduce_channels(attr, self.reduce, inputs.to(attr.dtype), None)
+            attr = reduce_channels(attr, self.reduce, x.to(attr.dtype), None)
         if attr.ndim == 3:
-            attr = attr.unsqueeze(1).expand(-1, inputs.shape[1], -1, -1).contiguous()
-        attr = (attr,) if as_tuple else attr
-        return (attr, d) if delta else attr
+            attr = attr.unsqueeze(1).expand(-1, x.shape[1], -1, -1).contiguous()
+        result = (attr,) if as_tuple else attr  # Captum's convention: the structure of the inputs
+        return (result, d) if delta else result
 
     def has_convergence_delta(self) -> bool:
         return self.explainer.has_convergence_delta

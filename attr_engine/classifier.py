@@ -78,7 +78,7 @@ def _as_triple(values: Sequence[float] | torch.Tensor, name: str) -> tuple[float
         raise ValueError(f"{name} must have 3 entries (one per RGB channel), got {len(triple)}")
     if not all(abs(v) < float("inf") for v in triple):
         raise ValueError(f"{name} must be finite, got {triple}")
-    return triple  # type: ignore[return-value]
+    return triple
 
 
 def _model_input_size(model: nn.Module) -> tuple[int, int, int] | None:
@@ -165,6 +165,10 @@ class Classifier(nn.Module):
         >>> logits = clf(torch.rand(2, 3, 224, 224))  # (2, 10)  # doctest: +SKIP
     """
 
+    # Registered as buffers in __init__ (nn.Module.__getattr__ returns them); declared so they type as tensors.
+    norm_mean: torch.Tensor  # (1, 3, 1, 1)
+    norm_std: torch.Tensor  # (1, 3, 1, 1)
+
     def __init__(
         self,
         model: nn.Module,
@@ -225,12 +229,12 @@ class Classifier(nn.Module):
     @property
     def mean(self) -> tuple[float, float, float]:
         """Per-channel normalisation mean."""
-        return tuple(self.norm_mean.flatten().tolist())  # type: ignore[return-value]
+        return tuple(self.norm_mean.flatten().tolist())
 
     @property
     def std(self) -> tuple[float, float, float]:
         """Per-channel normalisation standard deviation."""
-        return tuple(self.norm_std.flatten().tolist())  # type: ignore[return-value]
+        return tuple(self.norm_std.flatten().tolist())
 
     @property
     def input_size(self) -> tuple[int, int, int] | None:

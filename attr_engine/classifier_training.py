@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,7 @@ class ModelConfig:
         )
 
 
-def small_model_config(kind: Literal["vit", "resnet"] = "vit", img_size: int = 64) -> ModelConfig:
+def small_model_config(kind: str = "vit", img_size: int = 64) -> ModelConfig:
     """Tiny but genuine timm configurations that train on CPU in about a minute at 64 px.
 
     - ``"vit"``: ``vit_tiny_patch16_224`` rebuilt with an 8 x 8 patch grid (patch ``img_size // 8``), 4 blocks,
@@ -251,7 +251,8 @@ def _fit(
     log: Callable[[dict[str, float]], None] | None,
 ) -> None:
     net = classifier.model
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in net.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         (no_decay if p.ndim < 2 or leaf in ("pos_embed", "cls_token") else decay).append(p)

@@ -120,6 +120,7 @@ def _random_logit(ctx: _Context, **kwargs: Any) -> torch.Tensor:
 
 def _localisation(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
     def compute(ctx: _Context, **kwargs: Any) -> torch.Tensor:
+        assert ctx.masks is not None  # evaluate() refuses a needs_masks metric without masks
         return fn(ctx.maps, ctx.masks, **kwargs).float()
 
     return compute
@@ -158,7 +159,7 @@ TIME_COLUMN = "ms/image"
 RANKED_BY_COLUMN = "ranked by"
 # Metrics whose score depends only on the order of the pixels under the map (they use the ranking map).
 RANKING_METRICS = frozenset({"deletion", "insertion", "pos", "neg", "pointing_game", "energy_pointing_game"})
-_RANKING_NAMES = {
+_RANKING_NAMES: dict[str | None, str] = {
     None: "map",
     "mean": "signed mean",
     "sum": "signed sum",
@@ -250,7 +251,8 @@ def _resolve_methods(classifier: Classifier, methods: Mapping[str, Any] | Sequen
         elif isinstance(method, Explainer):
             explainer = method
         elif callable(method):
-            explainer = FunctionExplainer(classifier, method, name=name or getattr(method, "__name__", "function"))
+            label = name or str(getattr(method, "__name__", "function"))
+            explainer = FunctionExplainer(classifier, method, name=label)
         else:
             raise ValueError(f"a method must be a registry name, an Explainer or a callable, got {method!r}")
         if explainer.classifier is not classifier:
@@ -285,16 +287,17 @@ def _timed_maps(
     One untimed call on one image first, so lazy imports, kernel selection and caches are not billed to a method.
     """
     maps, channels, seconds = [], [], 0.0
-    per_channel = explainer.per_channel and explainer.display_reduce not in (None, "input")
+    # The reduction of per-channel methods whose display map is timed with them (None: the method gives maps).
+    display = explainer.display_reduce if explainer.per_channel and explainer.display_reduce != "input" else None
     sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
     explainer.attribute(x[:1], target[:1])
     for lo in range(0, len(x), batch_size):
         sync()
         start = time.perf_counter()
         chunk = x[lo : lo + batch_size]
-        if per_channel:
+        if display is not None:
             full = explainer.attribute(chunk, target[lo : lo + batch_size], reduce=None)
-            out = reduce_channels(full, explainer.display_reduce)
+            out = reduce_channels(full, display)
             channels.append(full)
         else:
             out = explainer.attribute(chunk, target[lo : lo + batch_size])
@@ -376,7 +379,7 @@ def evaluate(
         per_channel = channels if getattr(explainer, "infidelity_per_channel", False) else None
         ctx = _Context(classifier, x, targets, maps, masks, explainer, seed, batch_size, channel_maps=per_channel)
         ranked = _Context(classifier, x, targets, ranking, masks, explainer, seed, batch_size, cache=ctx.cache)
-        row: dict[str, float | str] = {"method": label, RANKED_BY_COLUMN: _RANKING_NAMES.get(ranked_by, ranked_by)}
+        row: dict[str, float | str] = {"method": label, RANKED_BY_COLUMN: _RANKING_NAMES.get(ranked_by, str(ranked_by))}
         board.scores[label] = {}
         ctx.cache.clear()
         for name, kwargs in settings.items():
@@ -410,6 +413,7 @@ def evaluate(
         wanted = extra_rankings and channels is not None and extra
         for reduction in getattr(explainer, "extra_rankings", ()) if wanted else ():
             reference = resolve_baselines("mean", x, classifier) if reduction == "input" else None
+            assert channels is not None  # wanted implies it
             alt = reduce_channels(channels, reduction, x, reference)
             alt_ctx = _Context(classifier, x, targets, alt, masks, explainer, seed, batch_size)
             name = _RANKING_NAMES.get(reduction, reduction)

@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, overload
 
 import torch
 from torch import nn
@@ -234,6 +234,43 @@ class Explainer:
         param = next(self.classifier.parameters(), None)
         return param.device if param is not None else torch.device("cpu")
 
+    # The return type follows return_convergence_delta: maps alone, or (maps, delta).
+    @overload
+    def attribute(
+        self,
+        inputs: torch.Tensor,
+        target: int | Sequence[int] | torch.Tensor | None = ...,
+        baselines: Any = ...,
+        *,
+        reduce: str | None = ...,
+        keepdim: bool = ...,
+        return_convergence_delta: Literal[False] = ...,
+        **options: Any,
+    ) -> torch.Tensor: ...
+    @overload
+    def attribute(
+        self,
+        inputs: torch.Tensor,
+        target: int | Sequence[int] | torch.Tensor | None = ...,
+        baselines: Any = ...,
+        *,
+        reduce: str | None = ...,
+        keepdim: bool = ...,
+        return_convergence_delta: Literal[True],
+        **options: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    @overload
+    def attribute(
+        self,
+        inputs: torch.Tensor,
+        target: int | Sequence[int] | torch.Tensor | None = ...,
+        baselines: Any = ...,
+        *,
+        reduce: str | None = ...,
+        keepdim: bool = ...,
+        return_convergence_delta: bool,
+        **options: Any,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
     def attribute(
         self,
         inputs: torch.Tensor,
@@ -336,7 +373,9 @@ class Explainer:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.attribute(*args, **kwargs)
 
-    def _attribute(self, x: torch.Tensor, target: torch.Tensor, **options: Any) -> Any:
+    # Each method declares the keyword options it takes (the base class passes exactly its merged ``options``);
+    # ``*args: Any, **options: Any`` is the signature a type checker accepts every such override of.
+    def _attribute(self, x: torch.Tensor, target: torch.Tensor, *args: Any, **options: Any) -> Any:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -437,7 +476,7 @@ def _plugin_entry_points() -> dict[str, metadata.EntryPoint]:
     """The entry points of :data:`ENTRY_POINT_GROUP` not loaded yet, by canonical name (read once)."""
     global _plugins
     if _plugins is None:
-        found = {}
+        found: dict[str, metadata.EntryPoint] = {}
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
             key = _canonical(ep.name)
             if key not in _REGISTRY:  # a built-in name is not shadowed by a plugin

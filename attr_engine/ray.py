@@ -42,6 +42,7 @@ loads it.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import logging
@@ -49,7 +50,6 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from kernels._validate import check_int_at_least
@@ -214,7 +214,7 @@ class BatchAttributor:
         self.job = job
         self.device = resolve_device(job.device)
         torch.manual_seed(job.seed)  # random weights (a timm model without pretrained) alike on every actor
-        spec = SimpleNamespace(
+        spec = argparse.Namespace(  # the CLI's flags, which load_classifier_args reads
             classifier=job.classifier, model=job.model, pretrained=job.pretrained, num_classes=job.num_classes
         )
         self.classifier = load_classifier_args(spec, self.device, img_size=job.img_size)
@@ -278,7 +278,7 @@ class BatchAttributor:
                 if job.return_images:
                     images[i] = (original if keep_original else inputs[k]).numpy()
 
-        out = {name: column for name, column in batch.items() if name not in ("image", "bytes")}
+        out: dict[str, Any] = {name: column for name, column in batch.items() if name not in ("image", "bytes")}
         out.update(map=maps, target=targets, height=sizes[:, 0], width=sizes[:, 1], error=np.array(errors))
         if job.scores:
             out.update(deletion=deletion, insertion=insertion)

@@ -51,8 +51,8 @@ except ImportError:  # pragma: no cover - exercised only on platforms without Tr
     class _LangStub:
         constexpr = int
 
-    triton = _JitStub()  # type: ignore[assignment]
-    tl = _LangStub()  # type: ignore[assignment]
+    triton = _JitStub()
+    tl = _LangStub()
 
 
 def _check_name(name: str) -> str:

@@ -73,7 +73,7 @@ def check_int(value: int, name: str) -> int:
     return value
 
 
-def check_int_at_least(value: int, name: str, minimum: int) -> int:
+def check_int_at_least(value: object, name: str, minimum: int) -> int:
     """Check an integer count such as ``n_iters`` or a grid size."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -134,12 +134,12 @@ def record_launches() -> Iterator[list[Launch]]:
 
     with _record_lock:
         original = JITFunction.run
-        JITFunction.run = run  # type: ignore[method-assign]
+        JITFunction.run = run
         _backend._state.recording = True
         try:
             yield launches
         finally:
-            JITFunction.run = original  # type: ignore[method-assign]
+            JITFunction.run = original
             _backend._state.recording = False
 
 

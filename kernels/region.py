@@ -273,7 +273,8 @@ def _blend_reference_backward(
     dm = None
     if dup is not None and smooth is None:
         dm = _reduce_cells(dup, grid.sums[acc]).to(masks.dtype)
-    elif dup is not None:
+    elif dup is not None and smooth is not None:
+        assert keep is not None  # _pixel_masks returns the clamp gate whenever it smooths
         dm = _reduce_cells(dup.mul_(keep), smooth.down[acc]).to(masks.dtype)
     return dx.to(x.dtype), dr.to(reference.dtype), dm
 

@@ -16,8 +16,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # a run-time import would load triton before main() has set TRITON_INTERPRET
+    from kernels._backend import Backend
 
 
 @dataclass
@@ -77,7 +81,7 @@ def _cases(quick: bool, cuda: bool) -> list[Case]:
     ]
 
 
-def _run(inputs: list[torch.Tensor], fn: Callable[..., torch.Tensor], backend: str, grad_out: torch.Tensor | None):
+def _run(inputs: list[torch.Tensor], fn: Callable[..., torch.Tensor], backend: Backend, grad_out: torch.Tensor | None):
     import kernels
 
     leaves = [t.detach().clone().requires_grad_() for t in inputs]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.library import custom_op, triton_op, wrap_triton
@@ -137,26 +138,26 @@ def _check_inputs(
     if not 1 <= scores.shape[1] <= MAX_SORT_CELLS:
         raise ValueError(f"scores must have 1 to {MAX_SORT_CELLS} cells, got shape {tuple(scores.shape)}")
     listed = not isinstance(fractions, torch.Tensor)
-    if listed:
+    if isinstance(fractions, torch.Tensor):
+        frac = fractions
+    else:
         try:
             values = [float(f) for f in fractions]
         except (TypeError, ValueError):
             raise ValueError(f"fractions must be a 1-D sequence or tensor of floats, got {fractions!r}") from None
         if not all(0.0 <= f <= 1.0 for f in values):  # plain floats: checking costs no synchronisation
             raise ValueError(f"fractions must lie in [0, 1], got min {min(values)}, max {max(values)}")
-        fractions = torch.tensor(values, dtype=torch.float64)
-    check_tensor(fractions, "fractions", ndim=1, finite=validate and not listed)
-    if not 1 <= fractions.numel() <= MAX_FRACTIONS:
-        raise ValueError(f"fractions must hold 1 to {MAX_FRACTIONS} values, got {fractions.numel()}")
-    if validate and not listed and bool(((fractions < 0) | (fractions > 1)).any()):
-        raise ValueError(
-            f"fractions must lie in [0, 1], got min {fractions.min().item()}, max {fractions.max().item()}"
-        )
+        frac = torch.tensor(values, dtype=torch.float64)
+    check_tensor(frac, "fractions", ndim=1, finite=validate and not listed)
+    if not 1 <= frac.numel() <= MAX_FRACTIONS:
+        raise ValueError(f"fractions must hold 1 to {MAX_FRACTIONS} values, got {frac.numel()}")
+    if validate and not listed and bool(((frac < 0) | (frac > 1)).any()):
+        raise ValueError(f"fractions must lie in [0, 1], got min {frac.min().item()}, max {frac.max().item()}")
     check_positive(tau, "tau")
     check_int_at_least(n_iters, "n_iters", 1)
     if not (float(noise) >= 0.0 and math.isfinite(float(noise))):
         raise ValueError(f"noise must be a finite number >= 0, got {noise!r}")
-    return fractions.to(device=scores.device)
+    return frac.to(device=scores.device)
 
 
 def _cost(scores: torch.Tensor, anchors: torch.Tensor, noise: torch.Tensor | None, tau: float) -> torch.Tensor:
@@ -430,7 +431,9 @@ def _(grad_masks: torch.Tensor, scores: torch.Tensor, *_: object) -> torch.Tenso
     return torch.empty_like(scores)
 
 
-def _soft_topk_reference_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+def _soft_topk_reference_setup(
+    ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> None:
     scores, weights, tau, _, noise, seed = inputs
     _, us, vs = output
     ctx.mark_non_differentiable(us, vs)
@@ -438,7 +441,9 @@ def _soft_topk_reference_setup(ctx: torch.autograd.function.FunctionCtx, inputs:
     ctx.tau, ctx.noise, ctx.seed = tau, noise, seed
 
 
-def _soft_topk_reference_backward(ctx: torch.autograd.function.FunctionCtx, grad_masks: torch.Tensor, *_: object):
+def _soft_topk_reference_backward(
+    ctx: Any, grad_masks: torch.Tensor, *_: object
+) -> tuple[torch.Tensor, None, None, None, None, None]:
     scores, weights, us, vs = ctx.saved_tensors
     grad = torch.ops.attr_engine.soft_topk_reference_backward(
         grad_masks.contiguous(), scores, weights, us, vs, ctx.tau, ctx.noise, ctx.seed
@@ -928,14 +933,18 @@ def _soft_topk_bwd_op(
     return grad
 
 
-def _soft_topk_setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+def _soft_topk_setup_context(
+    ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> None:
     scores, weights, tau, _, noise, seed = inputs
     _, us, vs = output
     ctx.save_for_backward(scores, weights, us, vs)
     ctx.tau, ctx.noise, ctx.seed = tau, noise, seed
 
 
-def _soft_topk_backward(ctx: torch.autograd.function.FunctionCtx, grad_masks: torch.Tensor, *_: torch.Tensor):
+def _soft_topk_backward(
+    ctx: Any, grad_masks: torch.Tensor, *_: torch.Tensor
+) -> tuple[torch.Tensor, None, None, None, None, None]:
     scores, weights, us, vs = ctx.saved_tensors
     grad = torch.ops.attr_engine.soft_topk_bwd(
         grad_masks.contiguous(), scores, weights, us, vs, ctx.tau, ctx.noise, ctx.seed

@@ -58,6 +58,7 @@ class AHA(nn.Module, Explainer):
         >>> refined = aha.attribute(images, refine_steps=3, seed=0)  # doctest: +SKIP
     """
 
+    classifier: Classifier  # AHA scores masks with it (norm_mean, fingerprint): only a Classifier will do
     name = "aha"
     needs_grad = False  # only refinement does (see _needs_grad)
     options: ClassVar[Mapping[str, Any]] = {"refine_steps": 0, "seed": None}

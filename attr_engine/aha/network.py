@@ -30,6 +30,10 @@ class FeatureBackbone(nn.Module):
             of a CNN.
     """
 
+    # Buffers registered in __init__; declared so they type as tensors, not nn.Module.__getattr__'s union.
+    mean: torch.Tensor  # (1, 3, 1, 1)
+    std: torch.Tensor  # (1, 3, 1, 1)
+
     def __init__(
         self,
         model: nn.Module,
@@ -61,7 +65,8 @@ class FeatureBackbone(nn.Module):
         if param is not None and param.is_floating_point():
             dtype = param.dtype  # images of any dtype run in the backbone's own
         z = (x.to(dtype) - self.mean.to(dtype)) / self.std.to(dtype)
-        feats = self.model.forward_intermediates(z, indices=self.indices, intermediates_only=True)
+        # timm's method, checked for in __init__; nn.Module declares no such attribute.
+        feats = self.model.forward_intermediates(z, indices=self.indices, intermediates_only=True)  # type: ignore[operator]
         return [f.float() for f in feats]
 
     def channels(self, img_size: tuple[int, int]) -> list[int]:

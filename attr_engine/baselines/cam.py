@@ -12,6 +12,8 @@ laid out on the patch grid timm reports (``patch_embed.dynamic_feat_size`` for d
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,7 +56,7 @@ def layer_name(classifier: nn.Module, layer: nn.Module) -> str:
 
 def token_grid(model: nn.Module, height: int, width: int) -> tuple[int, int]:
     """The (rows, cols) patch grid of a timm ViT for an input of ``height`` x ``width``."""
-    embed = model.patch_embed
+    embed: Any = model.patch_embed  # timm's PatchEmbed (grid_size, dynamic_feat_size): not declared on nn.Module
     if getattr(model, "dynamic_img_size", False) and hasattr(embed, "dynamic_feat_size"):
         rows, cols = embed.dynamic_feat_size((height, width))
     else:
@@ -88,13 +90,14 @@ class GradCAM(Explainer):
 
     def __init__(self, classifier: nn.Module, *, layer: nn.Module | str | None = None) -> None:
         super().__init__(classifier)
-        model = getattr(classifier, "model", classifier)
+        # Duck-typed timm model (blocks, num_prefix_tokens, patch_embed): attributes nn.Module does not declare.
+        model: Any = getattr(classifier, "model", classifier)
         if isinstance(layer, str):
             layer = find_layer(classifier, layer)
         self.tokens = is_vit(model) and (layer is None or layer is model.blocks[-1])
         self.layer = layer if layer is not None else (model.blocks[-1] if self.tokens else _last_cnn_stage(model))
         self._layer_name = layer_name(classifier, self.layer)
-        self._model = model
+        self._model: Any = model
 
     def _bind(self) -> None:
         # The same layer, by name, in the new classifier (e.g. Quantus' copy with randomised weights).

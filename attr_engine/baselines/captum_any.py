@@ -32,7 +32,7 @@ _REQUIRED: Any = inspect.Parameter.empty
 _SUPPLIED = {"self", "inputs", "target", "baselines", "return_convergence_delta", "additional_forward_args"}
 
 
-def captum_class(name: str) -> type:
+def captum_class(name: str) -> type[Any]:
     """The Captum attribution class called ``name`` (case-insensitive), or a ValueError listing the known ones."""
     captum = import_captum()
     base = captum.Attribution
@@ -86,7 +86,8 @@ class CaptumMethod(Explainer):
         self._model_arg = init_names[0]
         self._uses_layer = "layer" in init
         self._init_kwargs = {k: options.pop(k) for k in list(options) if k in init and k not in ("self", "layer")}
-        self.options = {
+        # Per instance here: the options are read from this Captum class's signature.
+        self.options = {  # type: ignore[misc]
             n: p.default
             for n, p in call.items()
             if n not in _SUPPLIED and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
@@ -118,7 +119,7 @@ class CaptumMethod(Explainer):
 
     def _bind(self) -> None:
         args: list[Any] = [self.classifier]
-        if self._uses_layer:
+        if self._layer_name is not None:  # set exactly when the Captum class takes a layer
             args.append(find_layer(self.classifier, self._layer_name))
         self.method = self.captum_cls(*args, **self._init_kwargs)
 

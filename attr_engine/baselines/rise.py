@@ -88,7 +88,8 @@ class RISE(Explainer):
 
     def _attribute(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         batch, _, height, width = x.shape
-        fill = self.classifier.norm_mean.to(x.dtype).view(1, 3, 1, 1)
+        # A Classifier's buffer (checked in __init__); self.classifier is typed as any nn.Module.
+        fill = self.classifier.norm_mean.to(x.dtype).view(1, 3, 1, 1)  # type: ignore[operator]
         gen = torch.Generator(device=x.device).manual_seed(self.seed)
         saliency = torch.zeros(batch, height, width, dtype=torch.float32, device=x.device)
         # Masks come in fixed blocks, so the random stream - and the maps - do not depend on batch_size; within a

@@ -11,6 +11,8 @@ The weights are read where every timm attention module applies ``attn_drop`` to 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,16 +38,17 @@ class AttentionRollout(Explainer):
 
     def __init__(self, classifier: nn.Module, *, head_fusion: str = "mean") -> None:
         super().__init__(classifier)
-        model = getattr(classifier, "model", classifier)
+        # Duck-typed timm ViT (blocks, .attn, num_prefix_tokens): attributes nn.Module does not declare.
+        model: Any = getattr(classifier, "model", classifier)
         if not is_vit(model):
             raise ValueError(f"attention rollout needs a timm ViT (blocks of patch tokens), got {type(model).__name__}")
-        attns = [getattr(block, "attn", None) for block in model.blocks]
+        attns: list[Any] = [getattr(block, "attn", None) for block in model.blocks]
         if any(a is None or not isinstance(getattr(a, "attn_drop", None), nn.Module) for a in attns):
             raise ValueError("every block needs an .attn module with an attn_drop layer (timm's Attention)")
         if head_fusion not in _FUSIONS:
             raise ValueError(f"head_fusion must be one of {_FUSIONS}, got {head_fusion!r}")
         self.head_fusion = head_fusion
-        self._model = model
+        self._model: Any = model
         self._attns = attns
 
     def _bind(self) -> None:
@@ -79,6 +82,8 @@ class AttentionRollout(Explainer):
             a = 0.5 * a + 0.5 * eye
             a = a / a.sum(dim=-1, keepdim=True)
             rollout = a if rollout is None else a @ rollout
+        if rollout is None:  # a model without blocks: nothing to roll out
+            raise RuntimeError("captured no attention maps")
         prefix = int(self._model.num_prefix_tokens)
         rows = rollout[:, 0] if prefix > 0 else rollout.mean(dim=1)
         patch = rows[:, prefix:]

@@ -274,7 +274,7 @@ def hub_reachable_or_offline(timeout: float = 3.0) -> bool:
         os.environ["HF_HUB_OFFLINE"] = "1"
         constants = sys.modules.get("huggingface_hub.constants")
         if constants is not None:  # already imported: it read the variable at import time
-            constants.HF_HUB_OFFLINE = True
+            constants.HF_HUB_OFFLINE = True  # type: ignore[attr-defined]  # a module's globals are not typed
         return False
 
 

@@ -275,8 +275,8 @@ def run_demo(args: argparse.Namespace) -> int:
         "total_seconds": round(total, 2),
         "machine": machine_summary(device),
     }
-    labels = row_labels(classifier, board.images, eval_set.class_names) if board.images is not None else None
-    files = write_board(board, out, results=results, labels=labels)
+    row_names = row_labels(classifier, board.images, eval_set.class_names) if board.images is not None else None
+    files = write_board(board, out, results=results, labels=row_names)
     _write_report(out, args, sizes, board, results, files)
 
     setting = f"seed {args.seed}, {args.model}, {sizes.img_size} px, {device}"

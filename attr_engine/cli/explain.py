@@ -390,6 +390,7 @@ class _Outputs:
             meta["frame"] = "image"
         _write_map(amap.contiguous(), self.out / item.map_file, args.format, meta)
         if args.png:
+            assert shown is not None  # the callers decode the shown image exactly when --png asks for it
             save_overlay(shown, amap, self.out / item.png_file, cmap=args.cmap, alpha=args.alpha)
         # One line per finished input, after its files are in place: a kill before it redoes the input.
         line = {"output": item.map_file.as_posix(), "digest": self.digest, "time_ns": time.time_ns()}
@@ -543,13 +544,20 @@ def run_explain(args: argparse.Namespace) -> int:
                 if result.error is not None:
                     skipped(result.item, result.error)
                 else:
+                    assert result.map is not None  # an ItemResult without an error carries its map
                     outputs.write(result.item, result.map, result.shown, result.target)
                     bar.update(1)
                 if len(written) >= limit:
                     break
         elif args.engine == "local":
             decoded = _Decoded(todo, reader, config, keep_original=keep_original)
-            loader = DataLoader(decoded, batch_size=args.batch_size, num_workers=args.workers, collate_fn=list)
+            # _Decoded is map-style by protocol (see its docstring), not a torch Dataset subclass.
+            loader: DataLoader[Any] = DataLoader(
+                decoded,  # type: ignore[arg-type]
+                batch_size=args.batch_size,
+                num_workers=args.workers,
+                collate_fn=list,
+            )
             for batch in loader:
                 if len(written) >= limit:
                     break

@@ -13,8 +13,9 @@ __all__ = ["energy_pointing_game", "pointing_game"]
 
 
 def _maps_and_masks(maps: torch.Tensor, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    maps = check_pixel_maps(maps)
-    return maps, check_masks(masks, tuple(maps.shape)).to(maps.device)
+    maps = check_pixel_maps(maps)  # (B, H, W)
+    b, h, w = maps.shape
+    return maps, check_masks(masks, (b, h, w)).to(maps.device)
 
 
 def pointing_game(maps: torch.Tensor, masks: torch.Tensor, *, tolerance: float = 0) -> torch.Tensor:

@@ -89,7 +89,7 @@ class PullbackConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
-    def soft_adjoint_kwargs(self) -> dict[str, float | bool]:
+    def soft_adjoint_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`soft_adjoint` this config sets."""
         keys = ("relu_tau", "gelu_tau", "silu_tau", "maxpool_tau", "layernorm", "attention", "warn_unknown")
         return {k: v for k, v in asdict(self).items() if k in keys}

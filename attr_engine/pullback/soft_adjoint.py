@@ -51,7 +51,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -111,7 +111,7 @@ def _module_kind(module: nn.Module) -> str | None:
     cls = type(module)
     for base in cls.__mro__:
         kind = _MODULE_KINDS.get(base)
-        if kind is not None:
+        if kind is not None and issubclass(base, nn.Module):  # always a Module (a key); narrows base for .forward
             # A subclass that overrides forward may do anything (e.g. LayerNorm + activation): not this kind.
             return kind if cls.forward is base.forward else None
     return None
@@ -521,9 +521,11 @@ class SoftAdjoint:
         if kind in gate_taus:
             return _gate_forward(module, plain, kind, gate_taus[kind])
         if kind == "maxpool":
-            return None if module.return_indices else _maxpool_forward(module, plain, self.maxpool_tau)
+            pool = cast(nn.MaxPool2d, module)  # _module_kind matched its class
+            return None if pool.return_indices else _maxpool_forward(pool, plain, self.maxpool_tau)
         if kind in ("layernorm", "layernorm2d"):
-            return _layer_norm_forward(module, plain, kind == "layernorm2d") if self.layernorm else None
+            norm = cast(nn.LayerNorm, module)  # _module_kind matched its class (timm's norms subclass LayerNorm)
+            return _layer_norm_forward(norm, plain, kind == "layernorm2d") if self.layernorm else None
         drop = getattr(module, "attn_drop", None)
         if kind == "attention" and self.attention and isinstance(drop, nn.Module):
             return _detached_forward(_plain_forward(drop))
