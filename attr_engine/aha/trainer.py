@@ -127,7 +127,7 @@ def fit(
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 aha.steps_trained += 1
-                for key, value in (*stats.items(), ("tau", tau), ("lr", scheduler.get_last_lr()[0])):
+                for key, value in (*stats.items(), ("tau", tau), ("lr", float(scheduler.get_last_lr()[0]))):
                     history[key].append(value)
                 bar.update(1)
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", dele=f"{stats['deletion']:.3f}",
