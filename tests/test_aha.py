@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import kernels
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.loss import soft_auc_loss, trapezoid_auc
 from attr_engine.classifier import Classifier, load_classifier
@@ -58,6 +59,8 @@ def _weights(aha: AHA) -> dict[str, torch.Tensor]:
         ("warmup", 1.5, "warmup"),
         ("targets", "all", "targets"),
         ("peak_kernel", 4, "peak_kernel"),
+        ("score_norm", "minmax", "score_norm"),
+        ("anchor_span", 0.0, "anchor_span"),
     ],
 )
 def test_config_rejects_bad_values(field, value, message):
@@ -113,12 +116,70 @@ def test_config_scales_with_image_size():
     assert AHAConfig().resolved(224).grid_range == (7, 28)
     assert AHAConfig().resolved(224).peak_kernel == 15
     small = AHAConfig().resolved(64)
-    assert small.grid_range == (2, 8) and small.peak_kernel % 2 == 1
+    assert small.grid_range == (7, 28) and small.peak_kernel % 2 == 1
     assert AHAConfig(grid_range=(3, 4)).resolved(64).grid_range == (3, 4)
+    assert AHAConfig(grid_range=(3, 40)).resolved(32).grid_range == (3, 32)  # clipped: g <= min(H, W)
     cfg = AHAConfig(**FAST)
     assert AHAConfig.from_dict(cfg.to_dict() | {"grid_range": [2, 6]}) == cfg
     with pytest.raises(ValueError, match="unknown AHAConfig fields: bogus"):
         AHAConfig.from_dict({"bogus": 1})
+
+
+@pytest.mark.parametrize(
+    ("shape", "expected"),
+    [
+        (224, (7, 28)),  # the official range
+        (64, (7, 28)),  # the embedded benchmark: cells of 2.3..9 px
+        (32, (4, 16)),  # the old rule gave 1..4, and a 1 x 1 grid ranks nothing
+        (16, (4, 8)),
+        ((32, 224), (4, 16)),  # non-square: the short side bounds the grid
+        ((224, 48), (6, 24)),
+        ((5, 300), (2, 2)),
+        (1, (1, 1)),
+    ],
+)
+def test_grid_rule_keeps_several_cells_of_at_least_two_pixels(shape, expected):
+    from attr_engine.aha.config import grid_rule
+
+    height, width = (shape, shape) if isinstance(shape, int) else shape
+    assert grid_rule(height, width) == expected
+    assert AHAConfig().resolved(shape).grid_range == expected
+    lo, hi = expected
+    side = min(height, width)
+    # Every grid the trainer can draw fits region_pool (g <= min(H, W)) with cells of >= 2 px where the side allows.
+    assert 1 <= lo <= hi <= side and (side < 2 or side // hi >= 2)
+    assert lo >= min(4, hi)  # never a 1 x 1 (or 2 x 2) grid while larger ones fit
+    for g in (lo, hi):
+        assert kernels.region_pool(torch.rand(1, height, width), g).shape == (1, g, g)
+
+
+def test_grid_rule_rejects_bad_sides():
+    from attr_engine.aha.config import grid_rule
+
+    with pytest.raises(ValueError, match="height"):
+        grid_rule(0)
+    with pytest.raises(ValueError, match="img_size"):
+        AHAConfig().resolved((32, 0))
+
+
+def test_training_on_non_square_images_keeps_the_grid_inside_the_short_side(monkeypatch):
+    """An explainer resolved for 32 px trained on 32 x 8 images: every drawn grid must fit the 8 px side."""
+    import attr_engine.aha.loss as loss_module
+
+    grids: list[int] = []
+    original = loss_module.soft_auc_loss
+
+    def recording(*args, grid, **kwargs):
+        grids.append(grid)
+        return original(*args, grid=grid, **kwargs)
+
+    monkeypatch.setattr("attr_engine.aha.trainer.soft_auc_loss", recording)
+    clf = colour_classifier()
+    aha = AHA(clf, AHAConfig(**(FAST | {"grid_range": None}), targets="pred"), img_size=32)
+    assert aha.config.grid_range == (4, 16)
+    x = torch.rand(8, 3, 32, 8)
+    aha.fit(torch.utils.data.TensorDataset(x, torch.zeros(8).long()), batch_size=2, max_steps=4, progress=False)
+    assert len(grids) == 4 and all(4 <= g <= 8 for g in grids)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -12,6 +12,29 @@ from kernels._validate import check_bool, check_int, check_int_at_least, check_n
 
 FRACTION_SAMPLING = ("linspace", "random")
 TARGET_MODES = ("pred+label", "pred")
+SCORE_NORMS = ("raw", "zscore")
+
+# The official grid range at 224 px is 7..28 cells; the rule below reproduces it there and keeps cells of at least
+# MIN_CELL_PX pixels and at least MIN_GRID cells per side (where the image allows) at every other size.
+MAX_GRID = 28
+MIN_GRID = 4
+MIN_CELL_PX = 2
+
+
+def grid_rule(height: int, width: int | None = None) -> tuple[int, int]:
+    """Default inclusive (min, max) grid range for an image of ``height`` x ``width`` (``width`` None: square).
+
+    ``g_max = min(28, side // 2)`` and ``g_min = max(4, g_max // 4)`` (both clipped to ``[1, g_max]``), with
+    ``side = min(H, W)``: the region grid is g x g over the whole image (``kernels.region_pool`` needs
+    ``g <= min(H, W)``), so the short side bounds it. This gives 7..28 at 224 px (the official range), 7..28 at
+    64 px (cells of 2.3..9 px), 4..16 at 32 px and 4..8 at 16 px. The range of the earlier rule, ``(side / 32,
+    side / 8)``, scaled the official cell sizes instead: 1..4 cells at 32 px, where a 1 x 1 grid ranks nothing.
+    """
+    check_int_at_least(height, "height", 1)
+    side = height if width is None else min(height, check_int_at_least(width, "width", 1))
+    g_max = max(1, min(MAX_GRID, side // MIN_CELL_PX))
+    g_min = min(g_max, max(MIN_GRID, g_max // 4))
+    return g_min, g_max
 
 
 @dataclass(frozen=True)
@@ -72,6 +95,8 @@ class AHAConfig:
     peak_weight: float = 0.0025
     peak_kernel: int | None = None
     mask_sigma: float | None = None
+    score_norm: str = "raw"
+    anchor_span: float = 4.0
     targets: str = "pred+label"
 
     lr: float = 3e-4
@@ -118,6 +143,9 @@ class AHAConfig:
         put("references", tuple(self.references))
         if not self.references or any(r not in REFERENCES for r in self.references):
             raise ValueError(f"references must be a non-empty subset of {REFERENCES}, got {self.references!r}")
+        if self.score_norm not in SCORE_NORMS:
+            raise ValueError(f"score_norm must be one of {SCORE_NORMS}, got {self.score_norm!r}")
+        put("anchor_span", check_positive(self.anchor_span, "anchor_span"))
         if self.targets not in TARGET_MODES:
             raise ValueError(f"targets must be one of {TARGET_MODES}, got {self.targets!r}")
         if self.peak_kernel is not None and check_int_at_least(self.peak_kernel, "peak_kernel", 1) % 2 == 0:
@@ -125,12 +153,18 @@ class AHAConfig:
         if self.mask_sigma is not None:
             put("mask_sigma", check_non_negative(self.mask_sigma, "mask_sigma"))
 
-    def resolved(self, img_size: int) -> AHAConfig:
-        """A copy with the size-dependent defaults filled in for square-ish images of side ``img_size``."""
-        grid_range = self.grid_range or (max(1, round(img_size / 32)), max(1, round(img_size / 8)))
-        grid_range = (min(grid_range[0], img_size), min(grid_range[1], img_size))
-        peak_kernel = self.peak_kernel or max(3, round(15 * img_size / 224) | 1)
-        mask_sigma = 1.0 * img_size / 224 if self.mask_sigma is None else self.mask_sigma
+    def resolved(self, img_size: int | tuple[int, int]) -> AHAConfig:
+        """A copy with the size-dependent defaults filled in for images of side ``img_size`` (or ``(H, W)``).
+
+        The grid range follows :func:`grid_rule` on the short side; an explicit range is clipped to it, since a
+        grid may not exceed ``min(H, W)``. The peak window and the mask blur scale with the short side too.
+        """
+        height, width = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        side = min(check_int_at_least(height, "img_size", 1), check_int_at_least(width, "img_size", 1))
+        grid_range = self.grid_range or grid_rule(height, width)
+        grid_range = (min(grid_range[0], side), min(grid_range[1], side))
+        peak_kernel = self.peak_kernel or max(3, round(15 * side / 224) | 1)
+        mask_sigma = 1.0 * side / 224 if self.mask_sigma is None else self.mask_sigma
         return dataclasses.replace(self, grid_range=grid_range, peak_kernel=peak_kernel, mask_sigma=mask_sigma)
 
     def to_dict(self) -> dict[str, Any]:
