@@ -248,16 +248,29 @@ def test_soft_auc_approaches_the_hard_metric_as_tau_falls():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_overfits_one_repeated_batch():
+@pytest.mark.parametrize("score_norm", ["raw", "zscore"])
+def test_overfits_one_repeated_batch(score_norm):
     torch.manual_seed(0)
     clf = colour_classifier()
     x, y = colour_images(4)
-    aha = AHA(clf, AHAConfig(**FAST, lr=3e-3, warmup=0.0, references=("mean",), targets="pred", peak_weight=0.0))
+    config = AHAConfig(**FAST, lr=3e-3, warmup=0.0, references=("mean",), targets="pred", peak_weight=0.0,
+                       score_norm=score_norm)  # fmt: skip
+    aha = AHA(clf, config)
+    target = clf(x).argmax(1)
+    before = deletion_insertion(clf, x, aha.attribute(x, target), target)
     history = aha.fit(_Pairs(x, y), epochs=40, batch_size=4, progress=False)
+    after = deletion_insertion(clf, x, aha.attribute(x, target), target)
+    # The hard metric is what the soft objective stands for (measured: raw 0.634 -> 0.576 / 0.918 -> 0.946,
+    # z-score 0.634 -> 0.536 / 0.918 -> 0.961).
+    assert after.deletion.mean() < before.deletion.mean() - 0.04, (before.deletion, after.deletion)
+    assert after.insertion.mean() > before.insertion.mean() + 0.02, (before.insertion, after.insertion)
     first, last = sum(history["deletion"][:5]) / 5, sum(history["deletion"][-5:]) / 5
-    assert last < first - 0.15, f"soft deletion AUC fell only from {first:.3f} to {last:.3f}"
+    # Raw scores let the map's scale sharpen the soft ranking, so the soft AUC falls far (0.81 -> 0.57); z-scores
+    # fix the sharpness at the temperature: the soft AUC starts lower and falls less (0.66 -> 0.62).
+    drop = 0.15 if score_norm == "raw" else 0.02
+    assert last < first - drop, f"soft deletion AUC fell only from {first:.3f} to {last:.3f}"
     first, last = sum(history["insertion"][:5]) / 5, sum(history["insertion"][-5:]) / 5
-    assert last > first + 0.05, f"soft insertion AUC rose only from {first:.3f} to {last:.3f}"
+    assert last > first + (0.05 if score_norm == "raw" else 0.005), f"soft insertion rose only {first:.3f}->{last:.3f}"
     assert history["tau"][0] == pytest.approx(1.0) and history["tau"][-1] == pytest.approx(0.3)
 
 

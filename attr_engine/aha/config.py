@@ -41,40 +41,57 @@ def grid_rule(height: int, width: int | None = None) -> tuple[int, int]:
 class AHAConfig:
     """Configuration of an AHA explainer (architecture, soft-AUC loss, optimiser).
 
-    Sizes that depend on the input resolution (grid range, peak-penalty window, blur reference) default to ``None``
-    and are derived from the image side by the rules of the official 224 px setting: grids of 7..28 cells (cells of
-    8..32 px), a 15 px peak window and a 37 px blur, scaled proportionally. See :meth:`resolved`.
+    Sizes that depend on the input resolution (grid range, peak-penalty window, mask blur) default to ``None`` and
+    are derived from the image's short side by :meth:`resolved`. Each default below names its origin: **official**
+    (the official AHA code / paper, methods.md section 1), **scaled** (an official 224 px value scaled with the image
+    side), **measured** (chosen here by the command named), or **project** (a choice of this project, not measured
+    against alternatives). "bench_aha_defaults" stands for ``python -m benches.bench_aha_defaults --img 64 --seed 0``
+    and ``--img 32 --seed 7`` (small ViT and ResNet on the embedded shapes data; table in benches/README.md).
 
     Architecture:
         backbone: ``None`` uses the classifier's own timm backbone; a timm model name uses that model instead
-            (``backbone_pretrained`` loads its weights; its own mean/std are applied).
-        layers: backbone block/stage indices to tap; ``None`` = four evenly spaced blocks for transformers, every
-            stage for CNNs.
-        decoder_dim: channels of the fused decoder.
-        class_dim: size of the learned class embedding joined to every feature position.
+            (``backbone_pretrained`` loads its weights; its own mean/std are applied). Project (official: a frozen
+            DINOv3 ViT-L/16).
+        layers: backbone block/stage indices to tap; ``None`` = four evenly spaced blocks for transformers (official:
+            4/11/17/23 of 24, i.e. evenly spaced), every stage for CNNs (project).
+        decoder_dim: channels of the fused decoder; class_dim: size of the learned class embedding joined to every
+            feature position. Project (CPU-sized; the official decoder is a DPT at ViT-L width).
 
     Loss (methods.md section 1):
-        grid_range: inclusive (min, max) grid size drawn per step.
-        random_offset: shift the grid by a random sub-cell offset each step.
-        tau_start, tau_end: Sinkhorn temperature, annealed linearly over training.
-        n_iters: Sinkhorn iterations; noise: Gumbel noise scale.
-        n_fractions: number S of perturbation fractions per curve; fraction_sampling "linspace" (fixed, with
-            endpoints) or "random" (sorted uniform draws plus both endpoints).
-        references: reference images drawn from at random each step ("black", "mean", "blur").
-        peak_weight: weight w of the peak penalty mean(relu(A - avgpool(A))^2); peak_kernel its window.
+        grid_range: inclusive (min, max) grid size drawn per step; ``None`` = :func:`grid_rule` of the short side:
+            7..28 at 224 px (official) and at 64 px, 4..16 at 32 px (measured, bench_aha_defaults: the earlier
+            scaled rule gave 2..8 and 1..4 there and lost on composite and localisation). An explicit range is
+            clipped to the short side.
+        random_offset: shift the grid by a random sub-cell offset each step. Official (grid augmentation).
+        tau_start, tau_end: Sinkhorn temperature 1.0 -> 0.3, annealed linearly over training. Official.
+        n_iters: Sinkhorn iterations (30); noise: Gumbel noise scale (1). Official.
+        n_fractions: number S of perturbation fractions per curve (16); fraction_sampling "linspace" (fixed, with
+            endpoints; official) or "random" (sorted uniform draws plus both endpoints).
+        references: reference images drawn from at random each step ("black", "mean", "blur"). Official.
+        peak_weight: weight w = 0.0025 of the peak penalty mean(relu(A - avgpool(A))^2) (official); peak_kernel its
+            window, ``None`` = 15 px at 224 px (scaled, odd, >= 3).
         mask_sigma: Gaussian blur (px) of the upsampled soft masks before blending, as the official training does
             (reflect padding, 2 * ceil(3 sigma) + 1 taps, clamp to [0, 1]); ``None`` = 1.0 at 224 px scaled with
             the image side (official, scaled), 0 = off. Evaluation and the hard metric never smooth.
-        targets: "pred+label" explains the predicted class and the label (or the runner-up where they agree);
-            "pred" only the predicted class.
+        score_norm: what enters the sorter: "zscore" (default; each image's region scores standardised over its
+            cells) or "raw" (the scores as pooled, as the paper and official code do). Measured, bench_aha_defaults:
+            z-scoring won on composite, energy pointing game and mask IoU on both classifiers at both sizes (raw
+            lets the map's scale act as a temperature, and an untrained decoder's small maps rank almost
+            uniformly). Under "zscore" the map's overall scale is free: only its ranking is trained.
+        anchor_span: with "zscore", the span of the rank anchors the z-scores are matched against (4.0: anchors in
+            [-2, 2]). From the prototype of issue #13, not tuned here; unused with "raw" (whose anchors span [0, 1],
+            official).
+        targets: "pred+label" explains the predicted class and the label (or the runner-up where they agree;
+            official scores one map for both); "pred" only the predicted class.
 
     Optimiser:
-        lr, weight_decay, warmup (fraction of steps), grad_clip, seed, amp (bf16 autocast of the classifier on
-        CUDA).
+        lr (3e-4), weight_decay (1e-3), warmup (fraction of steps, 0.06), grad_clip (1.0), seed (42), amp (bf16
+        autocast of the classifier on CUDA). Official (AdamW, linear warm-up then cosine). Not re-tuned here: the
+        prototype's lr 1e-3 was not measured against 3e-4 by bench_aha_defaults.
 
     Test-time refinement:
         refine_lr: Adam step size of the per-batch decoder fine-tuning (about 3x the training rate worked best on
-            the embedded data: 3e-4 gained half as much, 3e-3 overshot).
+            the embedded data: 3e-4 gained half as much, 3e-3 overshot). Measured (earlier, benches/bench_aha.py).
     """
 
     backbone: str | None = None
@@ -95,7 +112,7 @@ class AHAConfig:
     peak_weight: float = 0.0025
     peak_kernel: int | None = None
     mask_sigma: float | None = None
-    score_norm: str = "raw"
+    score_norm: str = "zscore"
     anchor_span: float = 4.0
     targets: str = "pred+label"
 
