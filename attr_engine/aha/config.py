@@ -60,8 +60,8 @@ class AHAConfig:
     Loss (methods.md section 1):
         grid_range: inclusive (min, max) grid size drawn per step; ``None`` = :func:`grid_rule` of the short side:
             7..28 at 224 px (official) and at 64 px, 4..16 at 32 px (measured, bench_aha_defaults: the earlier
-            scaled rule gave 2..8 and 1..4 there and lost on composite and localisation). An explicit range is
-            clipped to the short side.
+            scaled rule gave 2..8 and 1..4 there and, with z-scored scores, lost on every column; with raw scores
+            the grid made little difference). An explicit range is clipped to the short side.
         random_offset: shift the grid by a random sub-cell offset each step. Official (grid augmentation).
         tau_start, tau_end: Sinkhorn temperature 1.0 -> 0.3, annealed linearly over training. Official.
         n_iters: Sinkhorn iterations (30); noise: Gumbel noise scale (1). Official.
