@@ -81,3 +81,75 @@ def test_smoothed_objective_compiles_fullgraph_and_equals_eager() -> None:
             results.append((loss.detach(), torch.autograd.grad(loss, leaf)[0]))
     for e, o in zip(*results, strict=True):
         torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Score scaling: what enters the sorter
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_zscored_scores_are_standardised_and_scale_free() -> None:
+    from attr_engine.aha.loss import sorter_scores
+
+    scores = torch.randn(3, 49, dtype=torch.float64)
+    z = sorter_scores(scores, "zscore", anchor_span=4.0)
+    torch.testing.assert_close(z.mean(1), torch.zeros(3, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(z.square().mean(1).sqrt(), torch.full((3,), 4.0, dtype=torch.float64))
+    # A positive affine change of the map gives the sorter the same input.
+    torch.testing.assert_close(sorter_scores(25.0 * scores + 3.0, "zscore", 4.0), z)
+    assert sorter_scores(scores, "raw") is scores
+
+
+def test_zscored_ranking_equals_anchors_spanning_the_span() -> None:
+    """span * z against the sorter's [0, 1] anchors is the cost -(z - A)^2 with A in [-span/2, span/2] (Sinkhorn
+    cancels the row and column constants), checked at convergence with the dense definition."""
+    from attr_engine.aha.loss import sorter_scores
+    from kernels.sinkhorn import sinkhorn_eager
+    from kernels.soft_rank import prefix_weights
+
+    n, span, tau, iters = 16, 4.0, 0.5, 400
+    scores = torch.randn(2, n, dtype=torch.float64)
+    fractions = torch.linspace(0, 1, 5, dtype=torch.float64)
+    z = sorter_scores(scores, "zscore", span) / span
+    anchors = torch.linspace(span / 2, -span / 2, n, dtype=torch.float64)
+    perm = sinkhorn_eager(-(z[:, None, :] - anchors[None, :, None]).square(), iters, tau)
+    expected = prefix_weights(fractions, n).to(perm.dtype) @ perm
+    ours = kernels.soft_topk_masks(sorter_scores(scores, "zscore", span), fractions, tau=tau, n_iters=iters, noise=0.0)
+    torch.testing.assert_close(ours, expected, atol=1e-6, rtol=0)
+
+
+def test_zscored_objective_ignores_the_map_scale_and_survives_a_constant_map() -> None:
+    clf = colour_classifier()
+    x, _ = colour_images(2)
+    target = clf(x).argmax(1)
+    maps = torch.randn(2, 32, 32)
+    kw = dict(grid=4, fractions=torch.linspace(0, 1, 5), tau=0.3, n_iters=10, noise=0.0, score_norm="zscore")
+    ref = torch.zeros_like(x)
+    small = soft_auc_loss(clf, x, 0.01 * maps, target, ref, **kw)
+    large = soft_auc_loss(clf, x, 100.0 * maps, target, ref, **kw)
+    torch.testing.assert_close(small.deletion, large.deletion, atol=1e-5, rtol=0)
+    raw = soft_auc_loss(clf, x, 0.01 * maps, target, ref, **(kw | {"score_norm": "raw"}))
+    raw_large = soft_auc_loss(clf, x, 100.0 * maps, target, ref, **(kw | {"score_norm": "raw"}))
+    assert not torch.allclose(raw.deletion, raw_large.deletion, atol=1e-3)  # raw scores: the scale is a temperature
+    flat = torch.full((2, 32, 32), 0.5, requires_grad=True)
+    (grad,) = torch.autograd.grad(soft_auc_loss(clf, x, flat, target, ref, **kw).loss, flat)
+    assert torch.isfinite(grad).all()
+    with pytest.raises(ValueError, match="score_norm"):
+        soft_auc_loss(clf, x, maps, target, ref, **(kw | {"score_norm": "minmax"}))
+
+
+def test_training_passes_the_configured_score_scaling(monkeypatch: pytest.MonkeyPatch) -> None:
+    import attr_engine.aha.loss as loss_module
+
+    seen: list[tuple[str, float]] = []
+    original = loss_module.soft_auc_loss
+
+    def recording(*args: object, score_norm: str, anchor_span: float, **kwargs: object) -> object:
+        seen.append((score_norm, anchor_span))
+        return original(*args, score_norm=score_norm, anchor_span=anchor_span, **kwargs)
+
+    monkeypatch.setattr("attr_engine.aha.trainer.soft_auc_loss", recording)
+    x, y = colour_images(4)
+    aha = AHA(colour_classifier(), AHAConfig(**FAST, targets="pred", score_norm="zscore", anchor_span=3.0))
+    aha.fit(torch.utils.data.TensorDataset(x, y), batch_size=2, max_steps=2, progress=False)
+    assert seen == [("zscore", 3.0), ("zscore", 3.0)]

@@ -12,46 +12,86 @@ from kernels._validate import check_bool, check_int, check_int_at_least, check_n
 
 FRACTION_SAMPLING = ("linspace", "random")
 TARGET_MODES = ("pred+label", "pred")
+SCORE_NORMS = ("raw", "zscore")
+
+# The official grid range at 224 px is 7..28 cells; the rule below reproduces it there and keeps cells of at least
+# MIN_CELL_PX pixels and at least MIN_GRID cells per side (where the image allows) at every other size.
+MAX_GRID = 28
+MIN_GRID = 4
+MIN_CELL_PX = 2
+
+
+def grid_rule(height: int, width: int | None = None) -> tuple[int, int]:
+    """Default inclusive (min, max) grid range for an image of ``height`` x ``width`` (``width`` None: square).
+
+    ``g_max = min(28, side // 2)`` and ``g_min = max(4, g_max // 4)`` (both clipped to ``[1, g_max]``), with
+    ``side = min(H, W)``: the region grid is g x g over the whole image (``kernels.region_pool`` needs
+    ``g <= min(H, W)``), so the short side bounds it. This gives 7..28 at 224 px (the official range), 7..28 at
+    64 px (cells of 2.3..9 px), 4..16 at 32 px and 4..8 at 16 px. The range of the earlier rule, ``(side / 32,
+    side / 8)``, scaled the official cell sizes instead: 1..4 cells at 32 px, where a 1 x 1 grid ranks nothing.
+    """
+    check_int_at_least(height, "height", 1)
+    side = height if width is None else min(height, check_int_at_least(width, "width", 1))
+    g_max = max(1, min(MAX_GRID, side // MIN_CELL_PX))
+    g_min = min(g_max, max(MIN_GRID, g_max // 4))
+    return g_min, g_max
 
 
 @dataclass(frozen=True)
 class AHAConfig:
     """Configuration of an AHA explainer (architecture, soft-AUC loss, optimiser).
 
-    Sizes that depend on the input resolution (grid range, peak-penalty window, blur reference) default to ``None``
-    and are derived from the image side by the rules of the official 224 px setting: grids of 7..28 cells (cells of
-    8..32 px), a 15 px peak window and a 37 px blur, scaled proportionally. See :meth:`resolved`.
+    Sizes that depend on the input resolution (grid range, peak-penalty window, mask blur) default to ``None`` and
+    are derived from the image's short side by :meth:`resolved`. Each default below names its origin: **official**
+    (the official AHA code / paper, methods.md section 1), **scaled** (an official 224 px value scaled with the image
+    side), **measured** (chosen here by the command named), or **project** (a choice of this project, not measured
+    against alternatives). "bench_aha_defaults" stands for ``python -m benches.bench_aha_defaults --img 64 --seed 0``
+    and ``--img 32 --seed 7`` (small ViT and ResNet on the embedded shapes data; table in benches/README.md).
 
     Architecture:
         backbone: ``None`` uses the classifier's own timm backbone; a timm model name uses that model instead
-            (``backbone_pretrained`` loads its weights; its own mean/std are applied).
-        layers: backbone block/stage indices to tap; ``None`` = four evenly spaced blocks for transformers, every
-            stage for CNNs.
-        decoder_dim: channels of the fused decoder.
-        class_dim: size of the learned class embedding joined to every feature position.
+            (``backbone_pretrained`` loads its weights; its own mean/std are applied). Project (official: a frozen
+            DINOv3 ViT-L/16).
+        layers: backbone block/stage indices to tap; ``None`` = four evenly spaced blocks for transformers (official:
+            4/11/17/23 of 24, i.e. evenly spaced), every stage for CNNs (project).
+        decoder_dim: channels of the fused decoder; class_dim: size of the learned class embedding joined to every
+            feature position. Project (CPU-sized; the official decoder is a DPT at ViT-L width).
 
     Loss (methods.md section 1):
-        grid_range: inclusive (min, max) grid size drawn per step.
-        random_offset: shift the grid by a random sub-cell offset each step.
-        tau_start, tau_end: Sinkhorn temperature, annealed linearly over training.
-        n_iters: Sinkhorn iterations; noise: Gumbel noise scale.
-        n_fractions: number S of perturbation fractions per curve; fraction_sampling "linspace" (fixed, with
-            endpoints) or "random" (sorted uniform draws plus both endpoints).
-        references: reference images drawn from at random each step ("black", "mean", "blur").
-        peak_weight: weight w of the peak penalty mean(relu(A - avgpool(A))^2); peak_kernel its window.
+        grid_range: inclusive (min, max) grid size drawn per step; ``None`` = :func:`grid_rule` of the short side:
+            7..28 at 224 px (official) and at 64 px, 4..16 at 32 px (measured, bench_aha_defaults: the earlier
+            scaled rule gave 2..8 and 1..4 there and, with z-scored scores, lost on every column; with raw scores
+            the grid made little difference). An explicit range is clipped to the short side.
+        random_offset: shift the grid by a random sub-cell offset each step. Official (grid augmentation).
+        tau_start, tau_end: Sinkhorn temperature 1.0 -> 0.3, annealed linearly over training. Official.
+        n_iters: Sinkhorn iterations (30); noise: Gumbel noise scale (1). Official.
+        n_fractions: number S of perturbation fractions per curve (16); fraction_sampling "linspace" (fixed, with
+            endpoints; official) or "random" (sorted uniform draws plus both endpoints).
+        references: reference images drawn from at random each step ("black", "mean", "blur"). Official.
+        peak_weight: weight w = 0.0025 of the peak penalty mean(relu(A - avgpool(A))^2) (official); peak_kernel its
+            window, ``None`` = 15 px at 224 px (scaled, odd, >= 3).
         mask_sigma: Gaussian blur (px) of the upsampled soft masks before blending, as the official training does
             (reflect padding, 2 * ceil(3 sigma) + 1 taps, clamp to [0, 1]); ``None`` = 1.0 at 224 px scaled with
             the image side (official, scaled), 0 = off. Evaluation and the hard metric never smooth.
-        targets: "pred+label" explains the predicted class and the label (or the runner-up where they agree);
-            "pred" only the predicted class.
+        score_norm: what enters the sorter: "zscore" (default; each image's region scores standardised over its
+            cells) or "raw" (the scores as pooled, as the paper and official code do). Measured, bench_aha_defaults:
+            z-scoring won on composite, energy pointing game and mask IoU on both classifiers at both sizes (raw
+            lets the map's scale act as a temperature, and an untrained decoder's small maps rank almost
+            uniformly). Under "zscore" the map's overall scale is free: only its ranking is trained.
+        anchor_span: with "zscore", the span of the rank anchors the z-scores are matched against (4.0: anchors in
+            [-2, 2]). From the prototype of issue #13, not tuned here; unused with "raw" (whose anchors span [0, 1],
+            official).
+        targets: "pred+label" explains the predicted class and the label (or the runner-up where they agree;
+            official scores one map for both); "pred" only the predicted class.
 
     Optimiser:
-        lr, weight_decay, warmup (fraction of steps), grad_clip, seed, amp (bf16 autocast of the classifier on
-        CUDA).
+        lr (3e-4), weight_decay (1e-3), warmup (fraction of steps, 0.06), grad_clip (1.0), seed (42), amp (bf16
+        autocast of the classifier on CUDA). Official (AdamW, linear warm-up then cosine). Not re-tuned here: the
+        prototype's lr 1e-3 was not measured against 3e-4 by bench_aha_defaults.
 
     Test-time refinement:
         refine_lr: Adam step size of the per-batch decoder fine-tuning (about 3x the training rate worked best on
-            the embedded data: 3e-4 gained half as much, 3e-3 overshot).
+            the embedded data: 3e-4 gained half as much, 3e-3 overshot). Measured (earlier, benches/bench_aha.py).
     """
 
     backbone: str | None = None
@@ -72,6 +112,8 @@ class AHAConfig:
     peak_weight: float = 0.0025
     peak_kernel: int | None = None
     mask_sigma: float | None = None
+    score_norm: str = "zscore"
+    anchor_span: float = 4.0
     targets: str = "pred+label"
 
     lr: float = 3e-4
@@ -118,6 +160,9 @@ class AHAConfig:
         put("references", tuple(self.references))
         if not self.references or any(r not in REFERENCES for r in self.references):
             raise ValueError(f"references must be a non-empty subset of {REFERENCES}, got {self.references!r}")
+        if self.score_norm not in SCORE_NORMS:
+            raise ValueError(f"score_norm must be one of {SCORE_NORMS}, got {self.score_norm!r}")
+        put("anchor_span", check_positive(self.anchor_span, "anchor_span"))
         if self.targets not in TARGET_MODES:
             raise ValueError(f"targets must be one of {TARGET_MODES}, got {self.targets!r}")
         if self.peak_kernel is not None and check_int_at_least(self.peak_kernel, "peak_kernel", 1) % 2 == 0:
@@ -125,12 +170,18 @@ class AHAConfig:
         if self.mask_sigma is not None:
             put("mask_sigma", check_non_negative(self.mask_sigma, "mask_sigma"))
 
-    def resolved(self, img_size: int) -> AHAConfig:
-        """A copy with the size-dependent defaults filled in for square-ish images of side ``img_size``."""
-        grid_range = self.grid_range or (max(1, round(img_size / 32)), max(1, round(img_size / 8)))
-        grid_range = (min(grid_range[0], img_size), min(grid_range[1], img_size))
-        peak_kernel = self.peak_kernel or max(3, round(15 * img_size / 224) | 1)
-        mask_sigma = 1.0 * img_size / 224 if self.mask_sigma is None else self.mask_sigma
+    def resolved(self, img_size: int | tuple[int, int]) -> AHAConfig:
+        """A copy with the size-dependent defaults filled in for images of side ``img_size`` (or ``(H, W)``).
+
+        The grid range follows :func:`grid_rule` on the short side; an explicit range is clipped to it, since a
+        grid may not exceed ``min(H, W)``. The peak window and the mask blur scale with the short side too.
+        """
+        height, width = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        side = min(check_int_at_least(height, "img_size", 1), check_int_at_least(width, "img_size", 1))
+        grid_range = self.grid_range or grid_rule(height, width)
+        grid_range = (min(grid_range[0], side), min(grid_range[1], side))
+        peak_kernel = self.peak_kernel or max(3, round(15 * side / 224) | 1)
+        mask_sigma = 1.0 * side / 224 if self.mask_sigma is None else self.mask_sigma
         return dataclasses.replace(self, grid_range=grid_range, peak_kernel=peak_kernel, mask_sigma=mask_sigma)
 
     def to_dict(self) -> dict[str, Any]:

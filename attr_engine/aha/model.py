@@ -198,7 +198,8 @@ class AHA(nn.Module, Explainer):
                 result = soft_auc_loss(
                     self.classifier, x, decoder(feats, x, target), target, reference, grid=grid,
                     fractions=fractions, tau=cfg.tau_end, n_iters=cfg.n_iters, offset=offset, noise=0.0,
-                    peak_weight=cfg.peak_weight, peak_kernel=cfg.peak_kernel or 3, amp=cfg.amp,
+                    peak_weight=cfg.peak_weight, peak_kernel=cfg.peak_kernel or 3, score_norm=cfg.score_norm,
+                    anchor_span=cfg.anchor_span, amp=cfg.amp,
                 )  # fmt: skip
                 optimizer.zero_grad(set_to_none=True)
                 result.loss.backward()

@@ -159,7 +159,9 @@ def _train_step(
     cfg = aha.config
     classifier = aha.classifier
     lo, hi = cfg.grid_range  # type: ignore[misc]
-    grid = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+    # The range was resolved for the explainer's img_size; images of another shape must still fit the grid.
+    side = min(x.shape[-2:])
+    grid = min(int(torch.randint(lo, hi + 1, (1,), generator=gen)), side)
     offset = tuple(torch.rand(2, generator=gen).tolist()) if cfg.random_offset else (0.0, 0.0)
     fractions = _draw_fractions(cfg.n_fractions, cfg.fraction_sampling, gen).to(x.device)
     kind = cfg.references[int(torch.randint(len(cfg.references), (1,), generator=gen))]
@@ -185,7 +187,8 @@ def _train_step(
     result = soft_auc_loss(
         classifier, xs, maps, target, reference, grid=grid, fractions=fractions, tau=tau, n_iters=cfg.n_iters,
         offset=offset, noise=cfg.noise, generator=sorter_seed, peak_weight=cfg.peak_weight,
-        peak_kernel=cfg.peak_kernel or 3, mask_sigma=cfg.mask_sigma or 0.0, amp=cfg.amp,
+        peak_kernel=cfg.peak_kernel or 3, mask_sigma=cfg.mask_sigma or 0.0, score_norm=cfg.score_norm,
+        anchor_span=cfg.anchor_span, amp=cfg.amp,
     )  # fmt: skip
     result.loss.backward()
     return {
