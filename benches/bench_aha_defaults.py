@@ -4,9 +4,9 @@
     nice -n 10 python -m benches.bench_aha_defaults --img 32 --seed 7 --threads 2   # another size and data seed
 
 For each classifier (``small_model_config`` ViT and ResNet at ``--img`` px, trained on :class:`ShapesDataset` as
-``benches/bench_leaderboard.py`` does, through the same ``attr_engine.train`` helpers) one AHA explainer is trained
-per candidate setting, each with the same seed, data order and number of steps, and scored with Integrated
-Gradients (50 steps) and saliency on the same held-out images:
+``benches/bench_leaderboard.py`` does, through the same ``attr_engine.classifier_training`` helpers) one AHA
+explainer is trained per candidate setting, each with the same seed, data order and number of steps, and scored
+with Integrated Gradients (50 steps) and saliency on the same held-out images:
 
 - deletion / insertion AUC (hard pixel ranking, AHA protocol: mean-colour reference, 21 points) and their
   composite insertion - deletion (higher is better);
@@ -30,10 +30,10 @@ import torch
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.config import grid_rule
 from attr_engine.classifier import Classifier
+from attr_engine.classifier_training import evaluate_accuracy, small_model_config, train_classifier
 from attr_engine.data.shapes import ShapesDataset
 from attr_engine.explainer import get_explainer
 from attr_engine.metrics import deletion_insertion, energy_pointing_game, pixel_ranks
-from attr_engine.train import evaluate_accuracy, small_model_config, train_classifier
 
 
 def old_grid_rule(side: int) -> tuple[int, int]:
