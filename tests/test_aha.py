@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -458,6 +459,17 @@ def test_save_load_round_trip_and_mismatch(tmp_path):
     (tmp_path / "explainer.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="not a valid safetensors file"):
         AHA.load(tmp_path, clf)
+
+
+def test_a_checkpoint_from_before_score_norm_and_mask_sigma_loads_with_what_it_was_trained_on(tmp_path):
+    clf = colour_classifier()
+    AHA(clf, AHAConfig(**FAST)).save(tmp_path)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    assert meta["config"]["score_norm"] == "zscore"  # today's default is what a new checkpoint records
+    del meta["config"]["score_norm"], meta["config"]["mask_sigma"]
+    (tmp_path / "config.json").write_text(json.dumps(meta))
+    loaded = AHA.load(tmp_path, clf)
+    assert loaded.config.score_norm == "raw" and loaded.config.mask_sigma == 0.0
 
 
 @pytest.mark.parametrize(

@@ -271,7 +271,7 @@ class AHA(nn.Module, Explainer):
         """
         src, meta, state = read_checkpoint(path, classifier)
         try:
-            config = AHAConfig.from_dict(meta["config"])
+            config = AHAConfig.from_dict({**_BEFORE_FIELDS, **meta["config"]})
             aha = cls(classifier, config, img_size=int(meta["img_size"]))
         except (KeyError, TypeError) as err:
             raise ValueError(f"{src / CONFIG_FILE}: corrupt AHA config: {err}") from err
@@ -281,6 +281,11 @@ class AHA(nn.Module, Explainer):
             raise ValueError(f"{src / WEIGHTS_FILE} does not match the explainer architecture: {err}") from err
         aha.steps_trained = int(meta.get("steps_trained", 0))
         return aha
+
+
+# What a checkpoint written before a config field existed was trained with: loading it fills the field with that
+# value, not today's default, so its refinement and a resumed run optimise the objective it was trained on.
+_BEFORE_FIELDS: dict[str, Any] = {"score_norm": "raw", "mask_sigma": 0.0}
 
 
 def _as_generator(generator: torch.Generator | int) -> torch.Generator:
