@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -81,3 +82,15 @@ def single_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def untrained_resnet_checkpoint(directory: Path) -> Path:
+    """An untrained small ResNet at 32 px with 6 classes (seed 0), saved in ``directory`` as train-classifier
+    would: the classifier the CLI and registry tests explain."""
+    from attr_engine.classifier import save_classifier
+    from attr_engine.classifier_training import small_model_config
+
+    torch.manual_seed(0)
+    path = directory / "classifier.safetensors"
+    save_classifier(small_model_config("resnet", 32).build(6), path)
+    return path

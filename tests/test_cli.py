@@ -16,11 +16,10 @@ from PIL import Image
 
 from attr_engine.aha.persistence import checkpoint_dir
 from attr_engine.checkpoint import load_safetensors, save_safetensors
-from attr_engine.classifier import save_classifier
-from attr_engine.classifier_training import small_model_config
 from attr_engine.cli import explain as explain_cli
 from attr_engine.cli import main
 from attr_engine.distributed import process_rank, shard
+from tests.eval_helpers import single_thread, untrained_resnet_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,19 +27,14 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def _one_thread():
     """One torch thread: on a shared 2-core machine two threads spin on each other's barriers (10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An untrained small ResNet at 32 px with 6 classes, saved as train-classifier would."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("clf") / "classifier.safetensors"
-    save_classifier(small_model_config("resnet", 32).build(6), path)
-    return path
+    return untrained_resnet_checkpoint(tmp_path_factory.mktemp("clf"))
 
 
 def _images(root: Path, names: list[str], size: tuple[int, int] = (40, 36)) -> list[str]:

@@ -17,15 +17,14 @@ import attr_engine
 from attr_engine import explainer as registry
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.baselines import Gradient
-from attr_engine.classifier import resolve_targets, save_classifier
-from attr_engine.classifier_training import small_model_config
+from attr_engine.classifier import resolve_targets
 from attr_engine.cli import main
 from attr_engine.explainer import Explainer, get_explainer, list_explainers, register_explainer
 from attr_engine.metrics._checks import resolve_target
 from attr_engine.metrics.robustness import resolve_explainer_target
 from attr_engine.pullback import SemanticPullback
 from tests.aha_helpers import colour_classifier, colour_images
-from tests.eval_helpers import images, tiny_convnet
+from tests.eval_helpers import images, single_thread, tiny_convnet, untrained_resnet_checkpoint
 
 AHA_FAST = {"n_fractions": 6, "n_iters": 8, "decoder_dim": 16, "class_dim": 8, "grid_range": (2, 6)}
 
@@ -54,19 +53,14 @@ def clean_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An untrained small ResNet at 32 px with 6 classes, saved as train-classifier would."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("clf") / "classifier.safetensors"
-    save_classifier(small_model_config("resnet", 32).build(6), path)
-    return path
+    return untrained_resnet_checkpoint(tmp_path_factory.mktemp("clf"))
 
 
 def _photos(root: Path, n: int = 2) -> Path:

@@ -22,6 +22,7 @@ from attr_engine.classifier import save_classifier  # noqa: E402
 from attr_engine.classifier_training import small_model_config  # noqa: E402
 from attr_engine.cli import main  # noqa: E402
 from attr_engine.ray import BatchAttributor, attribute_dataset  # noqa: E402
+from tests.eval_helpers import single_thread  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NAMES = [f"{c}/{i}.png" for c in ("cat", "dog") for i in range(12)]
@@ -44,10 +45,8 @@ def cluster():
 @pytest.fixture(autouse=True)
 def _one_thread():
     """One torch thread, as every Ray actor of one CPU has: the same arithmetic, and no spinning on 2 shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
