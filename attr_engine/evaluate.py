@@ -15,7 +15,7 @@ Metrics (name: direction, what is computed with which settings):
 | max_sensitivity | lower | radius 0.02, 10 samples (the Semantic Pullback paper's settings) |
 | random_logit | lower | Pearson correlation (as the Semantic Pullback paper reports), per-map max normalisation |
 | random_logit_ssim | lower | Quantus' default SSIM of the flattened maps, per-map max normalisation |
-| pointing_game, energy_pointing_game | higher | need object masks |
+| pointing_game, energy_pointing_game, mask_iou | higher | need object masks (mask_iou: IoU of the top-k% pixels) |
 
 Infidelity patches of H/4 and H/2 are the SP paper's 56 and 112 px at 224 px; both infidelities compare logits.
 
@@ -51,6 +51,7 @@ from attr_engine.metrics import (
     perturbation_auc,
     pointing_game,
     random_logit,
+    top_k_mask_iou,
 )
 from kernels._validate import check_int_at_least
 
@@ -145,6 +146,7 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("random_logit_ssim", "lower", _random_logit, defaults={"similarity": "ssim"}),
         MetricSpec("pointing_game", "higher", _localisation(pointing_game), needs_masks=True),
         MetricSpec("energy_pointing_game", "higher", _localisation(energy_pointing_game), needs_masks=True),
+        MetricSpec("mask_iou", "higher", _localisation(top_k_mask_iou), needs_masks=True),
     )
 }
 DEFAULT_METRICS: tuple[str, ...] = (
@@ -158,7 +160,9 @@ DEFAULT_METRICS: tuple[str, ...] = (
 TIME_COLUMN = "ms/image"
 RANKED_BY_COLUMN = "ranked by"
 # Metrics whose score depends only on the order of the pixels under the map (they use the ranking map).
-RANKING_METRICS = frozenset({"deletion", "insertion", "pos", "neg", "pointing_game", "energy_pointing_game"})
+RANKING_METRICS = frozenset(
+    {"deletion", "insertion", "pos", "neg", "pointing_game", "energy_pointing_game", "mask_iou"}
+)
 _RANKING_NAMES: dict[str | None, str] = {
     None: "map",
     "mean": "signed mean",

@@ -33,7 +33,7 @@ from attr_engine.classifier import Classifier
 from attr_engine.classifier_training import evaluate_accuracy, small_model_config, train_classifier
 from attr_engine.data.shapes import ShapesDataset
 from attr_engine.explainer import get_explainer
-from attr_engine.metrics import deletion_insertion, energy_pointing_game, pixel_ranks
+from attr_engine.metrics import deletion_insertion, energy_pointing_game, top_k_mask_iou
 
 
 def old_grid_rule(side: int) -> tuple[int, int]:
@@ -50,15 +50,6 @@ def candidates(side: int) -> dict[str, dict]:
         f"AHA grid {new[0]}..{new[1]}, raw": {"grid_range": new, "score_norm": "raw"},
         f"AHA grid {new[0]}..{new[1]}, z-score": {"grid_range": new, "score_norm": "zscore"},
     }
-
-
-def topk_mask_iou(maps: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-    """IoU of each mask with the map's top-|mask| pixels. maps: (B, H, W), masks: (B, H, W) bool -> (B,)."""
-    flat = masks.flatten(1)
-    area = flat.sum(dim=1, keepdim=True)
-    top = pixel_ranks(maps) < area  # the |mask| highest-ranked pixels
-    inter = (top & flat).sum(dim=1).float()
-    return inter / (2 * area[:, 0] - inter).float()
 
 
 def score(
@@ -79,7 +70,7 @@ def score(
         "insertion": insertion,
         "composite": insertion - deletion,
         "energy": energy_pointing_game(maps, masks).mean().item(),
-        "iou": topk_mask_iou(maps, masks).mean().item(),
+        "iou": top_k_mask_iou(maps, masks).mean().item(),
         "ms": 1e3 * seconds / len(x),
     }
 
@@ -119,14 +110,15 @@ def _fmt(r: dict[str, float]) -> str:
     return " ".join(f"{k} {v:.3f}" for k, v in r.items())
 
 
-def table(kind: str, rows: list[tuple[str, dict[str, float]]]) -> str:
-    lines = [
-        f"| {kind} | deletion (lower) | insertion (higher) | composite (higher) | energy pointing | top-k% IoU |",
-        "|---|---|---|---|---|---|",
-    ]
+def table(kind: str, rows: list[tuple[str, dict[str, float]]], *, times: bool = False) -> str:
+    """A Markdown table of ``rows`` (best of each column in bold); ``times`` adds the ms/image column."""
+    head = f"| {kind} | deletion (lower) | insertion (higher) | composite (higher) | energy pointing | top-k% IoU |"
+    lines = [head + (" ms/image |" if times else ""), "|---|---|---|---|---|---|" + ("---|" if times else "")]
     best = {k: (min if k == "deletion" else max)(r[k] for _, r in rows) for k in rows[0][1] if k != "ms"}
     for name, r in rows:
         cells = [f"**{r[k]:.3f}**" if r[k] == best[k] else f"{r[k]:.3f}" for k in best]
+        if times:
+            cells.append(f"{r['ms']:.0f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

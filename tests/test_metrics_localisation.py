@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attr_engine.data import ShapesDataset
-from attr_engine.metrics.localisation import energy_pointing_game, pointing_game
+from attr_engine.metrics.localisation import energy_pointing_game, pointing_game, top_k_mask_iou
 
 
 def single_pixel_mask(height: int, width: int, y: int, x: int) -> torch.Tensor:
@@ -69,6 +69,26 @@ def test_energy_pointing_game_by_hand() -> None:
     torch.testing.assert_close(energy_pointing_game(channel_maps, masks), energy, atol=1e-7, rtol=0)
 
 
+def test_top_k_mask_iou_by_hand() -> None:
+    on = [[True, True, False, False], [True, True, False, False]]  # (2, 4): a 2 x 2 object on the left
+    masks = torch.tensor([on, on, [[True, False, False, False], [False, False, False, False]]])
+    maps = torch.tensor(
+        [
+            [[8.0, 7.0, 2.0, 1.0], [6.0, 5.0, 4.0, 3.0]],  # the object's 4 pixels ranked first
+            [[1.0, 2.0, 7.0, 8.0], [3.0, 4.0, 5.0, 6.0]],  # ranked last
+            [[2.0, 5.0, 1.0, 0.0], [-1.0, -2.0, -3.0, -4.0]],  # one-pixel object, ranked second
+        ]
+    )
+    iou = top_k_mask_iou(maps, masks)
+    assert iou.dtype == torch.float32
+    torch.testing.assert_close(iou, torch.tensor([1.0, 0.0, 0.0]), atol=1e-7, rtol=0)
+    # Half the object in the top 4: {(0, 0), (0, 1), (0, 2), (0, 3)} against {(0, 0), (0, 1), (1, 0), (1, 1)}.
+    half = torch.tensor([[[8.0, 7.0, 6.0, 5.0], [4.0, 3.0, 2.0, 1.0]]])
+    torch.testing.assert_close(top_k_mask_iou(half, masks[:1]), torch.tensor([2 / 6]), atol=1e-7, rtol=0)
+    # Order only: any increasing transform gives the same IoU (the energy pointing game would change).
+    torch.testing.assert_close(top_k_mask_iou(maps.exp() - 5.0, masks), iou, atol=0, rtol=0)
+
+
 def test_on_shapes_dataset_masks() -> None:
     data = ShapesDataset(3, img_size=32, seed=1)
     masks = torch.stack([data[i][2] for i in range(3)])
@@ -81,9 +101,11 @@ def test_on_shapes_dataset_masks() -> None:
         (on_object * masks).flatten(1).sum(1) / on_object.flatten(1).sum(1),
     )
     assert bool((energy_pointing_game(on_object, masks) > energy_pointing_game(off_object, masks)).all())
+    torch.testing.assert_close(top_k_mask_iou(on_object, masks), torch.ones(3), atol=0, rtol=0)
+    torch.testing.assert_close(top_k_mask_iou(off_object, masks), torch.zeros(3), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("metric", [pointing_game, energy_pointing_game])
+@pytest.mark.parametrize("metric", [pointing_game, energy_pointing_game, top_k_mask_iou])
 def test_bad_inputs_raise(metric) -> None:
     maps = torch.randn(2, 4, 4)
     masks = torch.ones(2, 4, 4, dtype=torch.bool)

@@ -110,6 +110,7 @@ def soft_auc_loss(
     score_norm: str = "raw",
     anchor_span: float = 4.0,
     amp: bool = False,
+    endpoints: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> SoftAUC:
     """Differentiable deletion and insertion AUC of ``maps`` for ``classifier``.
 
@@ -128,24 +129,39 @@ def soft_auc_loss(
             scores standardised over its cells, then ranked against anchors spanning ``anchor_span``; see
             :func:`sorter_scores`).
         amp: bf16 autocast of the classifier on CUDA.
+        endpoints: ``(p_image, p_reference)``, each (B,): the target probabilities of ``x`` and of ``reference``,
+            given when ``fractions`` starts at 0 and ends at 1. At those two fractions every cell is kept or every
+            cell removed whatever the map, so the curves' end values carry no gradient; with them given, the
+            classifier runs only at the interior fractions (2 x (S - 2) passes per image instead of 2 x S).
+            Test-time refinement computes them once for all its steps.
 
     Returns:
         :class:`SoftAUC` with the scalar loss and per-image AUCs and curves.
     """
     bsz = x.shape[0]
+    inner = fractions
+    if endpoints is not None:
+        if fractions.numel() < 3 or float(fractions[0]) != 0.0 or float(fractions[-1]) != 1.0:
+            raise ValueError("endpoints need fractions that run from 0 to 1 with at least one fraction between")
+        inner = fractions[1:-1]
     scores = sorter_scores(kernels.region_pool(maps, grid, offset).flatten(1), score_norm, anchor_span)
     # Deletion ranks the map, insertion its negation; both go through the sorter and the classifier as one batch.
     # The inputs were validated where the training step or the refinement began: no kernel reads them again (each
     # data check would be a host-device synchronisation inside the step).
     both = torch.cat((scores, -scores), dim=0)
     masks = kernels.soft_topk_masks(
-        both, fractions, tau=tau, n_iters=n_iters, noise=noise, generator=generator, validate=False
+        both, inner, tau=tau, n_iters=n_iters, noise=noise, generator=generator, validate=False
     )
-    masks = masks.view(2 * bsz, fractions.numel(), grid, grid)
+    masks = masks.view(2 * bsz, inner.numel(), grid, grid)
     images = kernels.soft_mask_blend(
         torch.cat((x, x)), torch.cat((reference, reference)), masks, offset, smooth_sigma=mask_sigma, validate=False
     )
     curves = target_probabilities(classifier, images, torch.cat((target, target)), amp=amp)
+    if endpoints is not None:
+        # Both curves blend towards the reference (insertion removes the least important cells first): each
+        # runs from the image at fraction 0 to the reference at fraction 1.
+        p_image, p_ref = (p.detach().to(curves.dtype)[:, None].repeat(2, 1) for p in endpoints)
+        curves = torch.cat((p_image, curves, p_ref), dim=1)
     aucs = trapezoid_auc(curves, fractions.to(curves.dtype))
     deletion, insertion = aucs[:bsz], aucs[bsz:]
     loss = deletion.mean() + (1.0 - insertion).mean()

@@ -141,6 +141,18 @@ class Decoder(nn.Module):
 
     def forward(self, feats: list[torch.Tensor], x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """feats: levels (B, C_l, h_l, w_l); x: (B, 3, H, W) in [0, 1]; target: (B,) class ids -> (B, H, W)."""
+        return self.out(self.head(self.trunk(feats, x, target)))[:, 0]
+
+    def hidden(self, feats: list[torch.Tensor], x: torch.Tensor, target: torch.Tensor, depth: int) -> torch.Tensor:
+        """The activations (B, C, H, W) that enter the decoder's last ``depth`` layers (1: the output projection;
+        2: also the head's last 3x3 convolution), as :class:`PerImageTail` takes them."""
+        if depth not in (1, 2):
+            raise ValueError(f"depth must be 1 or 2, got {depth!r}")
+        z = self.trunk(feats, x, target)
+        return self.head(z) if depth == 1 else self.head[1](self.head[0](z))
+
+    def trunk(self, feats: list[torch.Tensor], x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Fused features at input resolution joined with the image stem: (B, dim + dim // 2, H, W)."""
         emb = self.class_embed(target)[:, :, None, None]
         # Coarse to fine: each level adds the upsampled sum of the coarser ones (stable order for equal sizes).
         order = sorted(range(len(feats)), key=lambda i: (feats[i].shape[-2] * feats[i].shape[-1], -i))
@@ -161,5 +173,40 @@ class Decoder(nn.Module):
         for _ in range(steps):
             fused = self.up(F.interpolate(fused, scale_factor=2.0, mode="bilinear", align_corners=False))
         fused = F.interpolate(fused, size=(height, width), mode="bilinear", align_corners=False)
-        detail = self.image_stem(x)
-        return self.out(self.head(torch.cat((fused, detail), dim=1)))[:, 0]
+        return torch.cat((fused, self.image_stem(x)), dim=1)
+
+
+class PerImageTail(nn.Module):
+    """Per-image copies of a decoder's last ``depth`` layers, for test-time refinement.
+
+    Image i's map is computed from its own copy only (a grouped convolution with one group per image, then a
+    per-image output projection), so a gradient step on the summed objective moves each copy by its own image's
+    gradient alone and a refined map never depends on the rest of its batch. Fine-tuning one shared decoder on the
+    batch, as before, mixed every image's gradient into every map.
+
+    Args:
+        decoder: the trained decoder whose layers are copied (not modified).
+        batch: number of images B.
+        depth: 1 refines the output projection (``half`` weights per image); 2 also the head's last 3x3 conv.
+    """
+
+    def __init__(self, decoder: Decoder, batch: int, depth: int) -> None:
+        super().__init__()
+        if depth not in (1, 2):
+            raise ValueError(f"depth must be 1 or 2, got {depth!r}")
+        self.depth = depth
+        out = decoder.out.weight.detach()[0, :, 0, 0]  # (C,)
+        self.out = nn.Parameter(out.expand(batch, -1).clone())  # (B, C)
+        if depth == 2:
+            conv = decoder.head[2]
+            assert isinstance(conv, nn.Conv2d) and conv.bias is not None
+            self.weight = nn.Parameter(conv.weight.detach().repeat(batch, 1, 1, 1))  # (B * C, C, 3, 3)
+            self.bias = nn.Parameter(conv.bias.detach().repeat(batch))  # (B * C,)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (B, C, H, W) from :meth:`Decoder.hidden` at the same depth -> maps (B, H, W)."""
+        if self.depth == 2:
+            bsz, ch, height, width = hidden.shape
+            flat = hidden.reshape(1, bsz * ch, height, width)
+            hidden = F.gelu(F.conv2d(flat, self.weight, self.bias, padding=1, groups=bsz)).view_as(hidden)
+        return torch.einsum("bchw,bc->bhw", hidden, self.out)

@@ -3,7 +3,7 @@
 - Perturbation curves: deletion / insertion (``perturbation``), positive / negative perturbation AUC and infidelity
   (``faithfulness``).
 - Robustness: max-sensitivity (``robustness``); randomisation: random logit (``randomisation``).
-- Localisation against object masks: pointing game, energy pointing game (``localisation``).
+- Localisation against object masks: pointing game, energy pointing game, top-k% mask IoU (``localisation``).
 
 Input checks shared by all metrics live in ``_checks`` (pixel maps) and ``_maps`` (Quantus-style maps with channels);
 the one perturbation-curve loop behind deletion / insertion, Pos / Neg and infidelity lives in ``_curves``.
@@ -18,7 +18,7 @@ from attr_engine.metrics.faithfulness import (
     patch_grid,
     perturbation_auc,
 )
-from attr_engine.metrics.localisation import energy_pointing_game, pointing_game
+from attr_engine.metrics.localisation import energy_pointing_game, pointing_game, top_k_mask_iou
 from attr_engine.metrics.perturbation import (
     PROTOCOLS,
     DeletionInsertion,
@@ -56,4 +56,5 @@ __all__ = [
     "random_logit",
     "random_other_class",
     "ssim_similarity",
+    "top_k_mask_iou",
 ]

@@ -1,5 +1,6 @@
-"""Localisation against ground-truth object masks: the pointing game and its energy-based variant (methods.md
-section 4). Both need data with masks, such as :class:`attr_engine.data.ShapesDataset`.
+"""Localisation against ground-truth object masks: the pointing game, its energy-based variant (methods.md
+section 4) and the mask IoU of a map's top pixels. All need data with masks, such as
+:class:`attr_engine.data.ShapesDataset`.
 """
 
 from __future__ import annotations
@@ -7,9 +8,10 @@ from __future__ import annotations
 import torch
 
 from attr_engine.metrics._checks import check_masks, check_pixel_maps
+from attr_engine.metrics.perturbation import pixel_ranks
 from kernels._validate import check_non_negative
 
-__all__ = ["energy_pointing_game", "pointing_game"]
+__all__ = ["energy_pointing_game", "pointing_game", "top_k_mask_iou"]
 
 
 def _maps_and_masks(maps: torch.Tensor, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,3 +72,28 @@ def energy_pointing_game(maps: torch.Tensor, masks: torch.Tensor) -> torch.Tenso
     total = positive.sum(dim=1)
     inside = (positive * masks.flatten(1)).sum(dim=1)
     return torch.where(total > 0, inside / total.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(total))
+
+
+def top_k_mask_iou(maps: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """IoU of each object mask with the map's top pixels, as many as the mask has (top-k%, k% = the object's share).
+
+    A map that ranks exactly the object's pixels first scores 1, one that ranks them last 0; unlike the energy
+    pointing game it reads only the map's order, so it is the same for any monotone rescaling of the map. Ties go to
+    the lower row-major index (:func:`~attr_engine.metrics.pixel_ranks`).
+
+    Args:
+        maps: (B, H, W) attribution maps, or (B, C, H, W) summed over channels.
+        masks: (B, H, W) bool object masks, each non-empty; moved to the maps' device.
+
+    Returns:
+        (B,) float32 in [0, 1].
+
+    Raises:
+        ValueError: shapes that disagree, NaN/inf maps, non-bool or empty masks.
+    """
+    maps, masks = _maps_and_masks(maps, masks)
+    flat = masks.flatten(1)
+    area = flat.sum(dim=1, keepdim=True)
+    top = pixel_ranks(maps) < area
+    inter = (top & flat).sum(dim=1).float()
+    return inter / (2 * area[:, 0] - inter).float()
