@@ -658,3 +658,13 @@ def test_soft_auc_with_given_endpoints_equals_the_full_curves_at_fewer_classifie
     with pytest.raises(ValueError, match="endpoints need fractions that run from 0 to 1"):
         soft_auc_loss(clf, x, torch.zeros(3, 32, 32), target, reference, grid=4, fractions=torch.linspace(0.1, 1, 6),
                       tau=0.3, n_iters=4, endpoints=(ends[:, 0], ends[:, 1]))  # fmt: skip
+
+
+def test_refinement_on_images_smaller_than_its_grids_clips_the_grid_to_their_short_side():
+    """A grid may not exceed min(H, W) (kernels.region_pool): refinement on 6 x 32 images needs grids <= 6."""
+    assert AHA(colour_classifier(), AHAConfig(**{**FAST, "grid_range": (4, 16)})).config.refine_grid_range == (4, 8)
+    aha = AHA(colour_classifier(), AHAConfig(**{**FAST, "grid_range": (12, 16)}))
+    assert aha.config.refine_grid_range == (12, 12)  # the lower half of the training range, at least its minimum
+    x = torch.rand(2, 3, 6, 32)
+    maps = aha.attribute(x, 0, refine_steps=2, seed=0)
+    assert maps.shape == (2, 6, 32) and torch.isfinite(maps).all()

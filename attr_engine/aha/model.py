@@ -41,10 +41,12 @@ class AHA(nn.Module, Explainer):
             the classifier's ``input_size`` (224 if unknown).
 
     An :class:`~attr_engine.explainer.Explainer`: ``attribute(inputs, target=None, **options) -> (B, H, W)``
-    float32 maps, with the options
+    float32 maps, standardised per image (mean 0, std 1; see :func:`standardise_maps`) when the decoder was trained
+    on z-scored scores (``config.score_norm``, the default), as the raw network output otherwise. Options:
 
-    - ``refine_steps``: test-time refinement steps T (default 0: one forward pass). With T > 0 a copy of the decoder
-      is fine-tuned on the whole batch, so a map depends on the other images of its batch.
+    - ``refine_steps``: test-time refinement steps T (default 0: one forward pass). With T > 0 each image's own copy
+      of the decoder's last layers takes T steps on that image's soft objective (:meth:`_refine`): a refined map does
+      not depend on the other images of its batch.
     - ``seed`` (alias ``generator``): an int or a ``torch.Generator`` seeding the refinement's grid draws (None:
       ``config.seed``), so refined maps are reproducible.
 
@@ -120,9 +122,8 @@ class AHA(nn.Module, Explainer):
     ) -> torch.Tensor:
         """(B, H, W) float32 maps for checked images x: (B, 3, H, W) and resolved targets: (B,).
 
-        With ``refine_steps`` T > 0: a copy of the decoder takes T Adam steps (``config.refine_lr``) on this batch's
-        soft deletion/insertion objective, each at a grid size and offset drawn from the training range; costs T
-        soft-AUC evaluations (2 x n_fractions classifier passes per image each).
+        With ``refine_steps`` T > 0 the maps come from :meth:`_refine`; either way they are standardised per image
+        when ``config.score_norm`` is "zscore".
         """
         if refine_steps:
             # A copy made outside inference mode: an inference tensor (made under inference_mode) cannot be saved

@@ -332,8 +332,9 @@ def _write_report(
         "in the map's order, most important first (deletion, lower is better) or least important first (insertion, "
         "higher is better); 21 points, pixel-level ranking (the AHA protocol). Pointing game: the map's maximum lies "
         "on the object; energy pointing game: share of the positive map mass on the object. ms/image: attribution "
-        f"time per image in batches of 16 on `{machine['device']}`. AHA (T=k) refines the decoder for k steps on "
-        f"each batch. Grad-CAM reads `{results['gradcam_layer']['layer']}` ({results['gradcam_layer']['side']} x "
+        f"time per image in batches of 16 on `{machine['device']}`. AHA (T=k) refines a per-image copy of the "
+        "decoder's last layers for k steps on each image's own objective. Grad-CAM reads "
+        f"`{results['gradcam_layer']['layer']}` ({results['gradcam_layer']['side']} x "
         f"{results['gradcam_layer']['side']} cells at {sizes.img_size} px)"
         + (
             ": the last stage of this small network is too coarse for objects this size."
