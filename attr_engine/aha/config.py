@@ -90,18 +90,20 @@ class AHAConfig:
         prototype's lr 1e-3 was not measured against 3e-4 by bench_aha_defaults.
 
     Test-time refinement (``refine_steps`` T > 0; per image, see :meth:`AHA._refine`). Measured by
-    ``python -m benches.bench_aha_refine`` (the bench_aha_defaults recipe at 64 px, seed 0, AHA trained 200 steps,
-    48 held-out images, T=3, refinement grids 7..14; table in benches/README.md), side by side with Integrated
-    Gradients (50 steps):
+    ``benches/bench_aha_refine.py`` (the bench_aha_defaults recipe, AHA trained 200 steps, 48 held-out images, T=3,
+    side by side with Integrated Gradients at 50 steps; tables in benches/README.md) at 64 px (seed 0) and 32 px
+    (seed 7) on the small ViT and ResNet:
         refine_depth: decoder layers refined per image: 2 (the head's last 3x3 convolution and the output
-            projection; default) or 1 (the projection only; at its best rate, 3e-2, it matched depth 2 at 1e-3).
-        refine_lr: Adam step size, 1e-3: deletion / insertion 0.199 / 0.859 -> 0.193 / 0.864 on the ViT and
-            0.211 / 0.907 -> 0.206 / 0.908 on the ResNet. 3e-3 gained more on the ResNet (0.198 / 0.913) but
-            overshot on the ViT (0.207 / 0.857); 1e-2 overshot on the ResNet too (0.217 / 0.895).
-        refine_fractions: fractions per refinement curve (8). A step costs 2 x (refine_fractions - 2) classifier
-            passes with backward per image (the curves' ends do not depend on the map), so T=3 makes 36 against
-            Integrated Gradients' 50: 112 vs 131 ms/image on the ViT, 259 vs 305 ms on the ResNet (one core, in
-            the same run). 6 fractions cost 190 ms on the ResNet and lost 0.002 of deletion.
+            projection; default) or 1 (the projection only: at its best rate, 3e-2, 0.002-0.008 worse deletion
+            than depth 2 on three of the four).
+        refine_lr: Adam step size, 1e-3: deletion 0.199 -> 0.193 (ViT 64 px), 0.208 -> 0.195 (ResNet 64 px),
+            0.219 -> 0.201 (ViT 32 px), 0.223 -> 0.208 (ResNet 32 px), insertion equal or up to 0.008 higher.
+            3e-3 overshot on three of the four (ViT 64 px deletion 0.207, worse than T=0).
+        refine_fractions: fractions per refinement curve (6). A step costs 2 x (refine_fractions - 2) classifier
+            passes with backward per image (the curves' ends do not depend on the map), so T=3 makes 24 against
+            Integrated Gradients' 50. Against 8 fractions (36 passes), at 64 and 32 px on both classifiers:
+            deletion and insertion within 0.001, cost 143 vs 218 ms/image (ResNet 64 px; IG-50 296), 46 vs 57
+            (ResNet 32 px; IG-50 59), 145 vs 175 (ViT 64 px; IG-50 225), one core, same run.
         refine_grid_range: grids drawn per step; ``None`` = the lower half of ``grid_range`` (7..14 at 64 and
             224 px, 4..8 at 32 px). The sorter's cost grows with the square of the cell count: on the CPU a T=3
             refinement at 28 x 28 cells cost 494 ms/image against 184 ms at 14 x 14 (ResNet, two cores).
@@ -138,7 +140,7 @@ class AHAConfig:
 
     refine_lr: float = 1e-3
     refine_depth: int = 2
-    refine_fractions: int = 8
+    refine_fractions: int = 6
     refine_grid_range: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
