@@ -101,9 +101,10 @@ class AHAConfig:
             3e-3 overshot on three of the four (ViT 64 px deletion 0.207, worse than T=0).
         refine_fractions: fractions per refinement curve (6). A step costs 2 x (refine_fractions - 2) classifier
             passes with backward per image (the curves' ends do not depend on the map), so T=3 makes 24 against
-            Integrated Gradients' 50. Against 8 fractions (36 passes), at 64 and 32 px on both classifiers:
-            deletion and insertion within 0.001, cost 143 vs 218 ms/image (ResNet 64 px; IG-50 296), 46 vs 57
-            (ResNet 32 px; IG-50 59), 145 vs 175 (ViT 64 px; IG-50 225), one core, same run.
+            Integrated Gradients' 50. Against 8 fractions (36 passes), on both classifiers at both sizes:
+            deletion and insertion within 0.001, cost 149 vs 244 ms/image (ResNet 64 px; IG-50 278), 151 vs 193
+            (ViT 64 px; IG-50 241), 38 vs 55 (ResNet 32 px; IG-50 51: 8 fractions would break the bound there),
+            110 vs 132 (ViT 32 px; IG-50 232), one core, each row side by side with its IG in one run.
         refine_grid_range: grids drawn per step; ``None`` = the lower half of ``grid_range`` (7..14 at 64 and
             224 px, 4..8 at 32 px). The sorter's cost grows with the square of the cell count: on the CPU a T=3
             refinement at 28 x 28 cells cost 494 ms/image against 184 ms at 14 x 14 (ResNet, two cores).

@@ -184,9 +184,10 @@ class AHA(nn.Module, Explainer):
         its own gradient: a refined map does not depend on its batch mates. The grids and offsets of the steps are
         drawn from ``generator`` alone, the same for every image. Everything before the tail runs once, without
         autograd; a step costs ``2 x (config.refine_fractions - 2)`` classifier passes with backward per image
-        (the curves' ends do not depend on the map and are computed once). Refining
-        decoder weights rather than the map keeps the maps in the family the decoder draws (smooth, image
-        aligned); gradient steps on the map itself arrive through region pooling as per-cell blocks.
+        (the curves' ends do not depend on the map and are computed once). Refining decoder weights rather than
+        the map keeps the maps in the family the decoder draws (smooth, image aligned); gradient steps on the map
+        itself arrive through region pooling as per-cell blocks. The masks are smoothed as in training
+        (``config.mask_sigma``), and the grids are clipped to the short side of ``x``.
         """
         cfg = self.config
         gen = _as_generator(generator if generator is not None else cfg.seed)
