@@ -75,7 +75,14 @@ def score(
     }
 
 
-def run(kind: str, args: argparse.Namespace) -> list[tuple[str, dict[str, float]]]:
+Rows = list[tuple[str, dict[str, float]]]
+
+
+def setup(
+    kind: str, args: argparse.Namespace
+) -> tuple[ShapesDataset, Classifier, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The training set, a classifier trained on it, and the held-out images (N, 3, H, W), their object masks
+    (N, H, W) and the classifier's predictions (N,), which every method explains."""
     torch.manual_seed(args.seed)
     train_set = ShapesDataset(args.n_train, img_size=args.img, seed=args.seed, with_masks=False)
     start = time.perf_counter()
@@ -86,8 +93,12 @@ def run(kind: str, args: argparse.Namespace) -> list[tuple[str, dict[str, float]
     x, _, masks = test_set.tensors()
     with torch.no_grad():
         target = classifier(x).argmax(1)
+    return train_set, classifier, x, masks, target
 
-    rows: list[tuple[str, dict[str, float]]] = []
+
+def run(kind: str, args: argparse.Namespace) -> Rows:
+    train_set, classifier, x, masks, target = setup(kind, args)
+    rows: Rows = []
     for name, overrides in candidates(args.img).items():
         # As the leaderboard: 8 sampled fractions and one target per image keep a CPU step near a second.
         config = AHAConfig(n_fractions=8, targets="pred", seed=args.seed, **overrides)
@@ -96,21 +107,22 @@ def run(kind: str, args: argparse.Namespace) -> list[tuple[str, dict[str, float]
         aha.fit(train_set, batch_size=8, epochs=100, max_steps=args.aha_steps, progress=False)
         train_s = time.perf_counter() - start
         rows.append((name, score(lambda xb, tb, a=aha: a.attribute(xb, tb), classifier, x, masks, target)))
-        print(f"[{kind} {args.img}px] {name}: trained {train_s:.0f} s; {_fmt(rows[-1][1])}", flush=True)
+        print(f"[{kind} {args.img}px] {name}: trained {train_s:.0f} s; {fmt_row(rows[-1][1])}", flush=True)
     for name, explainer in (
         ("integrated gradients (50)", get_explainer("integrated-gradients", classifier, n_steps=50)),
         ("saliency", get_explainer("saliency", classifier)),
     ):
         rows.append((name, score(explainer.attribute, classifier, x, masks, target)))
-        print(f"[{kind} {args.img}px] {name}: {_fmt(rows[-1][1])}", flush=True)
+        print(f"[{kind} {args.img}px] {name}: {fmt_row(rows[-1][1])}", flush=True)
     return rows
 
 
-def _fmt(r: dict[str, float]) -> str:
+def fmt_row(r: dict[str, float]) -> str:
+    """One row's scores as 'name value' pairs, for the progress lines."""
     return " ".join(f"{k} {v:.3f}" for k, v in r.items())
 
 
-def table(kind: str, rows: list[tuple[str, dict[str, float]]], *, times: bool = False) -> str:
+def table(kind: str, rows: Rows, *, times: bool = False) -> str:
     """A Markdown table of ``rows`` (best of each column in bold); ``times`` adds the ms/image column."""
     head = f"| {kind} | deletion (lower) | insertion (higher) | composite (higher) | energy pointing | top-k% IoU |"
     lines = [head + (" ms/image |" if times else ""), "|---|---|---|---|---|---|" + ("---|" if times else "")]
@@ -123,14 +135,18 @@ def table(kind: str, rows: list[tuple[str, dict[str, float]]], *, times: bool = 
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def bench_main(
+    description: str, run_one: Callable[[str, argparse.Namespace], Rows], *, aha_steps: int, times: bool = False
+) -> None:
+    """The command line of this bench and of ``bench_aha_refine``: parse, run ``run_one`` per classifier, print the
+    tables (``times``: with the ms/image column)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--kind", choices=("vit", "resnet", "both"), default="both")
     parser.add_argument("--img", type=int, default=64, help="image side (a multiple of 8, >= 32)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generator, the classifier and AHA")
     parser.add_argument("--n-train", type=int, default=1500)
     parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--aha-steps", type=int, default=80, help="AHA optimiser steps per candidate (batch 8)")
+    parser.add_argument("--aha-steps", type=int, default=aha_steps, help="AHA optimiser steps per explainer (batch 8)")
     parser.add_argument("--n-test", type=int, default=48)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
@@ -138,13 +154,17 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
     kinds = ["vit", "resnet"] if args.kind == "both" else [args.kind]
-    tables = [table(f"{kind} {args.img}px", run(kind, args)) for kind in kinds]
+    tables = [table(f"{kind} {args.img}px", run_one(kind, args), times=times) for kind in kinds]
     print(
         f"\n{args.n_train} training images, {args.epochs} classifier epochs, {args.aha_steps} AHA steps of batch 8, "
-        f"{args.n_test} held-out images, seed {args.seed}\n"
+        f"{args.n_test} held-out images, seed {args.seed}, {torch.get_num_threads()} threads\n"
     )
     print("\n\n".join(tables))
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
+
+
+def main() -> None:
+    bench_main(__doc__.splitlines()[0], run, aha_steps=80)
 
 
 if __name__ == "__main__":

@@ -20,36 +20,22 @@ import argparse
 import dataclasses
 import time
 
-import torch
-
 from attr_engine.aha import AHA, AHAConfig
-from attr_engine.classifier_training import evaluate_accuracy, small_model_config, train_classifier
-from attr_engine.data.shapes import ShapesDataset
 from attr_engine.explainer import get_explainer
-from benches.bench_aha_defaults import score, table
+from benches.bench_aha_defaults import Rows, bench_main, fmt_row, score, setup
 
 # (refine_depth, refine_fractions, refine_lr): the default first, then the alternatives measured against it.
 CANDIDATES = ((2, 6, 1e-3), (2, 8, 1e-3), (2, 8, 3e-3), (1, 8, 3e-2))
 
 
-def run(kind: str, args: argparse.Namespace) -> list[tuple[str, dict[str, float]]]:
-    torch.manual_seed(args.seed)
-    train_set = ShapesDataset(args.n_train, img_size=args.img, seed=args.seed, with_masks=False)
-    start = time.perf_counter()
-    classifier = train_classifier(small_model_config(kind, args.img), train_set, epochs=args.epochs, seed=args.seed)
-    test_set = ShapesDataset(args.n_test, img_size=args.img, seed=args.seed + 1000)
-    acc = evaluate_accuracy(classifier, test_set)
-    print(f"[{kind} {args.img}px] classifier: {acc:.1%} held-out accuracy ({time.perf_counter() - start:.0f} s)")
-    x, _, masks = test_set.tensors()
-    with torch.no_grad():
-        target = classifier(x).argmax(1)
-
+def run(kind: str, args: argparse.Namespace) -> Rows:
+    train_set, classifier, x, masks, target = setup(kind, args)
     aha = AHA(classifier, AHAConfig(n_fractions=8, targets="pred", seed=args.seed))
     start = time.perf_counter()
     aha.fit(train_set, batch_size=8, epochs=100, max_steps=args.aha_steps, progress=False)
     print(f"[{kind} {args.img}px] AHA: {args.aha_steps} steps ({time.perf_counter() - start:.0f} s)")
     trained = aha.config
-    rows: list[tuple[str, dict[str, float]]] = [
+    rows: Rows = [
         ("integrated gradients (50)", score(get_explainer("integrated-gradients", classifier, n_steps=50).attribute,
                                             classifier, x, masks, target)),
         ("AHA T=0", score(aha.attribute, classifier, x, masks, target)),
@@ -62,32 +48,12 @@ def run(kind: str, args: argparse.Namespace) -> list[tuple[str, dict[str, float]
                                  masks, target)))  # fmt: skip
     aha.config = trained
     for name, r in rows:
-        print(f"[{kind} {args.img}px] {name}: " + " ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
+        print(f"[{kind} {args.img}px] {name}: {fmt_row(r)}", flush=True)
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", choices=("vit", "resnet", "both"), default="both")
-    parser.add_argument("--img", type=int, default=64, help="image side (a multiple of 8, >= 32)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the generator, the classifier and AHA")
-    parser.add_argument("--n-train", type=int, default=1500)
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--aha-steps", type=int, default=200, help="AHA optimiser steps (batch 8)")
-    parser.add_argument("--n-test", type=int, default=48)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    start = time.perf_counter()
-    kinds = ["vit", "resnet"] if args.kind == "both" else [args.kind]
-    tables = [table(f"{kind} {args.img}px", run(kind, args), times=True) for kind in kinds]
-    print(
-        f"\n{args.n_train} training images, {args.epochs} classifier epochs, {args.aha_steps} AHA steps of batch 8, "
-        f"{args.n_test} held-out images, seed {args.seed}, {torch.get_num_threads()} threads\n"
-    )
-    print("\n\n".join(tables))
-    print(f"\ntotal {time.perf_counter() - start:.0f} s")
+    bench_main(__doc__.splitlines()[0], run, aha_steps=200, times=True)
 
 
 if __name__ == "__main__":
