@@ -74,9 +74,14 @@ def sorter_scores(scores: torch.Tensor, score_norm: str, anchor_span: float = 4.
         return scores
     if score_norm != "zscore":
         raise ValueError(f"score_norm must be 'raw' or 'zscore', got {score_norm!r}")
-    centred = scores - scores.mean(dim=1, keepdim=True)
-    # rsqrt(var + eps): finite values and gradients for a constant map (std 0), unlike dividing by std().
-    return anchor_span * centred * torch.rsqrt(centred.square().mean(dim=1, keepdim=True) + 1e-12)
+    return standardise(scores, dim=1, scale=anchor_span)
+
+
+def standardise(values: torch.Tensor, dim: int | tuple[int, ...], scale: float = 1.0) -> torch.Tensor:
+    """``values`` shifted to mean 0 and scaled to (population) standard deviation ``scale`` along ``dim``."""
+    centred = values - values.mean(dim=dim, keepdim=True)
+    # rsqrt(var + eps): finite values and gradients for a constant input (std 0: all zeros), unlike dividing by std().
+    return scale * centred * torch.rsqrt(centred.square().mean(dim=dim, keepdim=True) + 1e-12)
 
 
 def target_probabilities(

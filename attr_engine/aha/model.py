@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from attr_engine.aha.config import AHAConfig
-from attr_engine.aha.loss import soft_auc_loss, target_probabilities
+from attr_engine.aha.loss import soft_auc_loss, standardise, target_probabilities
 from attr_engine.aha.network import Decoder, FeatureBackbone, PerImageTail, build_backbone
 from attr_engine.aha.persistence import (
     CONFIG_FILE,
@@ -310,9 +310,7 @@ def standardise_maps(maps: torch.Tensor) -> torch.Tensor:
     mean, which is what metrics of positive mass (energy pointing game) and signed colour maps read. The ranking,
     and with it deletion and insertion, is unchanged.
     """
-    centred = maps - maps.mean(dim=(-2, -1), keepdim=True)
-    # rsqrt(var + eps): a constant map stays finite (all zeros).
-    return centred * torch.rsqrt(centred.square().mean(dim=(-2, -1), keepdim=True) + 1e-12)
+    return standardise(maps, dim=(-2, -1))
 
 
 def _as_generator(generator: torch.Generator | int) -> torch.Generator:
