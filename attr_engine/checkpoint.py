@@ -184,13 +184,19 @@ def save_safetensors(
 
 
 def load_safetensors(
-    path: str | os.PathLike[str], device: str | torch.device = "cpu"
+    path: str | os.PathLike[str], device: str | torch.device = "cpu", *, finite: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read a safetensors file into ``({name: tensor}, metadata)``.
 
+    Args:
+        finite: check that every floating-point tensor is finite. Weights are never NaN or infinite, so a file
+            that holds such values was damaged after it was written (safetensors has no checksum: bytes
+            overwritten in the data section still parse); without this check every map it makes would be NaN.
+
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        ValueError: naming the file, if it is not a readable safetensors file (truncated, corrupt, other format).
+        ValueError: naming the file, if it is not a readable safetensors file (truncated, corrupt, other format)
+            or, with ``finite``, a tensor holds NaN or infinite values (naming the tensor).
     """
     p = Path(path)
     if not p.is_file():
@@ -201,7 +207,30 @@ def load_safetensors(
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, OSError, RuntimeError) as err:
         raise ValueError(f"{p} is not a valid safetensors file (corrupt or truncated?): {err}") from err
+    if finite:
+        for name, tensor in tensors.items():
+            if (tensor.is_floating_point() or tensor.is_complex()) and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"{p} is corrupt: tensor {name!r} holds NaN or infinite values")
     return tensors, metadata
+
+
+def check_state_shapes(model: torch.nn.Module, state: Mapping[str, torch.Tensor], source: object, what: str) -> None:
+    """Raise a ValueError naming ``source`` unless ``state`` has exactly ``model``'s state-dict keys and shapes.
+
+    Meant for a ``model`` built on the meta device from sizes a file claims (shapes only, no memory): the claims are
+    then confirmed by the stored weights before the real model is allocated.
+    """
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for key, tensor in state.items():
+        if key in expected and tuple(tensor.shape) != expected[key]:
+            raise ValueError(
+                f"{source} does not match {what}: {key} is {tuple(tensor.shape)} in the file, {expected[key]} in the "
+                "model (corrupt metadata?)"
+            )
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        found = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
+        raise ValueError(f"{source} does not match {what}: {found}")
 
 
 def save_json(obj: Any, path: str | os.PathLike[str]) -> None:

@@ -21,14 +21,16 @@ import timm
 import torch
 from torch import nn
 
-from attr_engine.checkpoint import load_safetensors, save_safetensors
+from attr_engine.checkpoint import check_state_shapes, load_safetensors, save_safetensors
 from kernels._validate import check_int_at_least, check_tensor
 
 __all__ = [
+    "MAX_FILE_IMG_SIZE",
     "Classifier",
     "check_device",
     "check_model_name",
     "eval_mode",
+    "file_int",
     "input_dtype",
     "load_classifier",
     "model_device",
@@ -42,6 +44,42 @@ _CHECKPOINT_FORMAT = "attr_engine.classifier/1"
 # even unpickled with torch.load), and pretrained_cfg(_overlay) may name a file. Only the caller may pass them.
 # Matched on the name's last segment for paths (drop_path_rate is an ordinary architecture argument).
 _UNSAFE_KWARG = re.compile(r"(^|_)(path|file|dir|url|hub)s?$|pretrained|checkpoint|cfg|cache|download", re.IGNORECASE)
+
+
+# The largest input side a file may set. A CNN's weights do not depend on its input size, so nothing in the file can
+# confirm an img_size; without a bound, a crafted "img_size": "100000" makes every image a 100000 x 100000 tensor.
+# 4096 px is above any classifier's training size we know of; a caller passes a larger img_size itself.
+MAX_FILE_IMG_SIZE = 4096
+
+
+def file_int(value: Any, name: str, source: object, *, high: int | None = None) -> int:
+    """An integer a file sets (JSON / safetensors metadata), in ``[1, high]``: a ValueError naming the file if not."""
+    try:
+        number = int(value) if isinstance(value, str) else value
+    except ValueError:
+        number = None
+    if not isinstance(number, int) or isinstance(number, bool) or number < 1 or (high is not None and number > high):
+        bound = f" <= {high}" if high is not None else ""
+        raise ValueError(f"{source}: corrupt metadata: {name} must be an integer >= 1{bound}, got {value!r}")
+    return number
+
+
+def _check_against_weights(
+    name: str, create_kwargs: dict[str, Any], state: dict[str, torch.Tensor], source: object
+) -> None:
+    """Refuse a checkpoint whose sizes (``num_classes``, ``img_size``, model kwargs) do not fit its own weights,
+    before the model is allocated.
+
+    The model is built on the meta device (shapes only, no memory), so a file claiming ten million classes or a
+    100000 px ViT is refused here instead of exhausting memory in the real build. Models that cannot be built on
+    the meta device skip this check; the real build's strict state-dict load still catches any mismatch.
+    """
+    try:
+        with torch.device("meta"):
+            probe = timm.create_model(name, pretrained=False, **create_kwargs)
+    except Exception:  # any failure of the shape-only build: the real build reports it in its own words
+        return
+    check_state_shapes(probe, state, source, f"{name} with {create_kwargs}")
 
 
 def _plain_json(value: Any) -> bool:
@@ -377,11 +415,14 @@ def load_classifier(
             saved_kwargs = _checkpoint_kwargs(meta.get("model_kwargs", "{}"), checkpoint)
             try:
                 mean, std = json.loads(meta["mean"]), json.loads(meta["std"])
-                num_classes = num_classes if num_classes is not None else int(meta["num_classes"])
+                if num_classes is None:
+                    # Confirmed against the weights below, before anything of that size is allocated.
+                    num_classes = file_int(meta["num_classes"], "num_classes", checkpoint)
                 if img_size is None and meta.get("img_size"):
-                    img_size = int(meta["img_size"])
+                    img_size = file_int(meta["img_size"], "img_size", checkpoint, high=MAX_FILE_IMG_SIZE)
             except (KeyError, ValueError) as err:
-                raise ValueError(f"{checkpoint}: corrupt classifier metadata: {err}") from err
+                text = str(err) if str(checkpoint) in str(err) else f"{checkpoint}: corrupt classifier metadata: {err}"
+                raise ValueError(text) from err
             model_kwargs = {**saved_kwargs, **model_kwargs}
         # A Classifier's own state dict nests the model under "_model." next to the normalisation buffers.
         if any(k.startswith("_model.") for k in state):
@@ -395,6 +436,8 @@ def load_classifier(
     if img_size is not None and (external or _accepts_img_size(name)):
         create_kwargs["img_size"] = img_size
     source = f"{checkpoint}: " if checkpoint is not None else ""
+    if state is not None and not external:
+        _check_against_weights(name, create_kwargs, state, checkpoint)
     try:
         try:
             model = timm.create_model(name, pretrained=pretrained, **create_kwargs)

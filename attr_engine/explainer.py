@@ -34,11 +34,13 @@ from kernels._validate import check_tensor
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "NONFINITE_MAP",
     "REDUCTIONS",
     "Explainer",
     "ExplainerSpec",
     "FunctionExplainer",
     "explain_batch",
+    "finite_maps",
     "get_explainer",
     "list_explainers",
     "reduce_channels",
@@ -454,6 +456,16 @@ def explain_batch(
     with torch.no_grad():
         target = classifier(x).argmax(1) if target is None else target.to(x.device)
     return explainer.attribute(x, target).float().cpu(), target
+
+
+# The error of an input whose map came out NaN or infinite: reported and counted by both engines, never written.
+NONFINITE_MAP = "the map has NaN or infinite values"
+
+
+def finite_maps(maps: torch.Tensor) -> list[bool]:
+    """Per map of ``maps`` (B, H, W), whether every value is finite (in the classifier's frame, before any NaN
+    border is added for the image's frame)."""
+    return torch.isfinite(maps).flatten(1).all(1).tolist() if maps.numel() else [True] * len(maps)
 
 
 def _canonical(name: str) -> str:

@@ -32,9 +32,10 @@ same :func:`attr_engine.imageops.prepare_input` the local engine uses). Other in
 **Output columns**: ``map`` (float32, ``(H, W)`` in the classifier's frame, or ``(h, w)`` in the image's own with
 ``frame="image"``, the border the crop cut away ``NaN``), ``target`` (the class explained), ``height`` / ``width``
 (the image's size), ``error`` (``""``, or why the image could not be read: such a row has a ``(0, 0)`` map and
-target ``-1``, and the job goes on), optionally ``deletion`` / ``insertion`` (AUCs of the map, AHA protocol, ``NaN``
-for unreadable rows) and, with ``return_images``, ``original`` (``(3, h, w)`` uint8, image frame) or ``input``
-(``(3, H, W)`` float32, the classifier's input, model frame) for overlays.
+target ``-1``, and the job goes on; or :data:`attr_engine.explainer.NONFINITE_MAP` when the method's map had NaN
+or infinite values: a ``(0, 0)`` map with its target), optionally ``deletion`` / ``insertion`` (AUCs of the map,
+AHA protocol, ``NaN`` for unreadable rows) and, with ``return_images``, ``original`` (``(3, h, w)`` uint8, image
+frame) or ``input`` (``(3, H, W)`` float32, the classifier's input, model frame) for overlays.
 
 Ray is imported only by the functions that run a job: ``import attr_engine`` (and ``attr-engine --help``) never
 loads it.
@@ -234,7 +235,7 @@ class BatchAttributor:
         import numpy as np
         import torch
 
-        from attr_engine.explainer import explain_batch
+        from attr_engine.explainer import NONFINITE_MAP, explain_batch, finite_maps
         from attr_engine.imageops import prepare_input, to_image_frame
         from attr_engine.metrics import deletion_insertion
 
@@ -270,9 +271,13 @@ class BatchAttributor:
                 insertion[good] = di.insertion.float().cpu().numpy()
             targets[good] = target.cpu().numpy()
             inputs = x.cpu()
+            finite = finite_maps(model_maps)
             for k, i in enumerate(good):
                 _, size, original = prepared[i]
                 sizes[i] = size
+                if not finite[k]:
+                    errors[i] = NONFINITE_MAP  # the image was read, the method failed on it: no map
+                    continue
                 amap = model_maps[k] if job.frame == "model" else to_image_frame(model_maps[k], size, self.config)
                 maps[i] = amap.contiguous().numpy()
                 if job.return_images:

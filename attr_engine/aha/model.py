@@ -15,9 +15,11 @@ from attr_engine.aha.config import AHAConfig
 from attr_engine.aha.loss import soft_auc_loss, standardise, target_probabilities
 from attr_engine.aha.network import Decoder, FeatureBackbone, PerImageTail, build_backbone
 from attr_engine.aha.persistence import (
+    BACKBONE_PREFIX,
     CONFIG_FILE,
     FORMAT,
     WEIGHTS_FILE,
+    check_loadable,
     classifier_fingerprint,
     read_checkpoint,
     write_checkpoint,
@@ -39,6 +41,8 @@ class AHA(nn.Module, Explainer):
         config: :class:`AHAConfig`; ``None`` uses the defaults.
         img_size: training/inference resolution used to size the config's scale-dependent defaults; ``None`` takes
             the classifier's ``input_size`` (224 if unknown).
+        backbone: a built :class:`~attr_engine.aha.network.FeatureBackbone` to use instead of building the one
+            ``config`` names (:meth:`load` passes the separate backbone it restored from the checkpoint).
 
     An :class:`~attr_engine.explainer.Explainer`: ``attribute(inputs, target=None, **options) -> (B, H, W)``
     float32 maps, standardised per image (mean 0, std 1; see :func:`standardise_maps`) when the decoder was trained
@@ -65,7 +69,14 @@ class AHA(nn.Module, Explainer):
     options: ClassVar[Mapping[str, Any]] = {"refine_steps": 0, "seed": None}
     option_aliases: ClassVar[Mapping[str, str]] = {"generator": "seed"}
 
-    def __init__(self, classifier: Classifier, config: AHAConfig | None = None, *, img_size: int | None = None) -> None:
+    def __init__(
+        self,
+        classifier: Classifier,
+        config: AHAConfig | None = None,
+        *,
+        img_size: int | None = None,
+        backbone: FeatureBackbone | None = None,
+    ) -> None:
         super().__init__()
         if not isinstance(classifier, Classifier):
             raise ValueError(f"classifier must be an attr_engine.Classifier, got {type(classifier).__name__}")
@@ -75,7 +86,7 @@ class AHA(nn.Module, Explainer):
         size = img_size or (classifier.input_size[1] if classifier.input_size is not None else 224)
         self.img_size = int(size)
         self.config = (config or AHAConfig()).resolved(self.img_size)
-        self.backbone: FeatureBackbone = build_backbone(
+        self.backbone: FeatureBackbone = backbone or build_backbone(
             classifier, self.config.backbone, self.config.layers, self.config.backbone_pretrained
         )
         channels = self.backbone.channels((self.img_size, self.img_size))
@@ -266,31 +277,50 @@ class AHA(nn.Module, Explainer):
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the trained decoder to directory ``path``: ``explainer.safetensors`` + ``config.json``.
 
-        Only the decoder is saved; the frozen backbone comes from the classifier (or timm) when loading. Each file is
-        written atomically, the weights first, so a crash never leaves a config pointing at missing weights.
+        The classifier's own backbone is not saved (it comes from the classifier when loading); a separate backbone
+        (``config.backbone``) is saved with the decoder, so loading never downloads or opens anything else. Each
+        file is written atomically, the weights first, so a crash never leaves a config pointing at missing weights.
         """
-        return write_checkpoint(path, self.decoder.state_dict(), self._metadata())
+        weights = dict(self.decoder.state_dict())
+        if self.config.backbone is not None:
+            weights.update({BACKBONE_PREFIX + k: v for k, v in self.backbone.model.state_dict().items()})
+        return write_checkpoint(path, weights, self._metadata())
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], classifier: Classifier) -> AHA:
+    def load(cls, path: str | os.PathLike[str], classifier: Classifier, *, trust_backbone: bool = False) -> AHA:
         """Rebuild an explainer saved by :meth:`save` (or a training output directory) for ``classifier``.
 
         A training directory loads the checkpoint its ``config.json`` points at (see
-        :func:`~attr_engine.aha.persistence.checkpoint_dir`).
+        :func:`~attr_engine.aha.persistence.checkpoint_dir`). A checkpoint is data: it is rebuilt from its own
+        files and ``classifier`` alone. A separate backbone must be a timm registry name whose weights the
+        checkpoint holds; every size the files set is checked against the stored weights before anything is
+        allocated (:func:`~attr_engine.aha.persistence.check_loadable`).
+
+        Args:
+            trust_backbone: also accept a separate backbone the checkpoint does not hold the weights of (written
+                before backbones were saved), built as its config says: a hub or local-dir name, or timm's
+                pretrained weights (a download). Only for checkpoints whose origin you trust.
 
         Raises:
             FileNotFoundError: the directory or one of its files is missing.
-            ValueError: the files are corrupt, of another format, inconsistent with each other, or were made for
-                a different classifier.
+            ValueError: the files are corrupt (non-finite weights, sizes the weights do not confirm), of another
+                format, inconsistent with each other, made for a different classifier, or name a backbone the
+                loader would have to fetch from elsewhere.
         """
         src, meta, state = read_checkpoint(path, classifier)
         try:
             config = AHAConfig.from_dict({**_BEFORE_FIELDS, **meta["config"]})
-            aha = cls(classifier, config, img_size=int(meta["img_size"]))
         except (KeyError, TypeError) as err:
             raise ValueError(f"{src / CONFIG_FILE}: corrupt AHA config: {err}") from err
+        backbone_state = {k[len(BACKBONE_PREFIX) :]: v for k, v in state.items() if k.startswith(BACKBONE_PREFIX)}
+        decoder_state = {k: v for k, v in state.items() if not k.startswith(BACKBONE_PREFIX)}
+        img_size = check_loadable(src, meta, config, classifier, decoder_state, backbone_state, trust_backbone)
+        backbone = None
+        if config.backbone is not None and backbone_state:
+            backbone = build_backbone(classifier, config.backbone, config.layers, state=backbone_state)
+        aha = cls(classifier, config, img_size=img_size, backbone=backbone)
         try:
-            aha.decoder.load_state_dict(state, strict=True)
+            aha.decoder.load_state_dict(decoder_state, strict=True)
         except RuntimeError as err:
             raise ValueError(f"{src / WEIGHTS_FILE} does not match the explainer architecture: {err}") from err
         aha.steps_trained = int(meta.get("steps_trained", 0))

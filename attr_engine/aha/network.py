@@ -3,12 +3,14 @@
 The decoder follows the DPT idea at a size that trains on a CPU: every tapped backbone level is projected, joined
 with a learned embedding of the class to explain, and fused coarse-to-fine; the fused features are then upsampled in
 x2 steps to the input resolution, where a shallow convolutional encoding of the image itself supplies pixel-level
-detail, so maps on ViTs are dense instead of patch-sized blocks. Only the decoder is trained and saved.
+detail, so maps on ViTs are dense instead of patch-sized blocks. Only the decoder is trained; a checkpoint stores it
+and, when the backbone is a separate model, that backbone's weights too.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -90,13 +92,26 @@ def _default_layers(model: nn.Module) -> list[int]:
 
 
 def build_backbone(
-    classifier: Classifier, name: str | None, layers: tuple[int, ...] | None, pretrained: bool = False
+    classifier: Classifier,
+    name: str | None,
+    layers: tuple[int, ...] | None,
+    pretrained: bool = False,
+    state: Mapping[str, torch.Tensor] | None = None,
 ) -> FeatureBackbone:
-    """The classifier's own backbone (``name=None``) or a separately built timm model, frozen, with its own mean/std."""
+    """The classifier's own backbone (``name=None``) or a separately built timm model, frozen, with its own mean/std.
+
+    ``state``: the separate model's weights (as a checkpoint stores them); it is then built without ``pretrained``
+    and loaded strictly, so a saved explainer is rebuilt from its own files, with no download.
+    """
     if name is None:
         return FeatureBackbone(classifier.model, classifier.norm_mean, classifier.norm_std, layers)
     img_size = classifier.input_size[1] if classifier.input_size is not None else None
-    other = load_classifier(name, pretrained=pretrained, img_size=img_size)
+    other = load_classifier(name, pretrained=pretrained and state is None, img_size=img_size)
+    if state is not None:
+        try:
+            other.model.load_state_dict(dict(state), strict=True)
+        except RuntimeError as err:
+            raise ValueError(f"the stored weights of backbone {name!r} do not match it: {err}") from None
     return FeatureBackbone(other.model, other.norm_mean, other.norm_std, layers).to(classifier.norm_mean.device)
 
 

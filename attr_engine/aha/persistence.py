@@ -16,19 +16,26 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import timm
 import torch
 
-from attr_engine.checkpoint import load_json, load_safetensors, save_json, save_safetensors
-from attr_engine.classifier import Classifier
+from attr_engine.aha.network import Decoder
+from attr_engine.checkpoint import check_state_shapes, load_json, load_safetensors, save_json, save_safetensors
+from attr_engine.classifier import MAX_FILE_IMG_SIZE, Classifier, _accepts_img_size, _check_against_weights, file_int
+
+if TYPE_CHECKING:
+    from attr_engine.aha.config import AHAConfig
 
 __all__ = [
+    "BACKBONE_PREFIX",
     "CHECKPOINTS_DIR",
     "CONFIG_FILE",
     "FORMAT",
     "POINTER_KEY",
     "WEIGHTS_FILE",
+    "check_loadable",
     "checkpoint_dir",
     "classifier_fingerprint",
     "read_checkpoint",
@@ -43,6 +50,19 @@ CONFIG_FILE = "config.json"
 CHECKPOINTS_DIR = "checkpoints"
 POINTER_KEY = "checkpoint"
 _STEP_DIR = re.compile(r"step-(\d{8,})")
+# A separate backbone's weights are stored beside the decoder's under this prefix (the classifier's own backbone is
+# not stored: it comes from the classifier).
+BACKBONE_PREFIX = "backbone."
+# Upper bounds of the config sizes the stored weights cannot confirm (the decoder's widths and the classes are
+# checked against the weights; grids are clipped to the image). Far above any setting that trains, far below one
+# that exhausts memory: a crafted config.json fails here instead of in the allocator.
+_CONFIG_BOUNDS = {
+    "n_fractions": 1024,
+    "refine_fractions": 1024,
+    "n_iters": 10_000,
+    "peak_kernel": 2 * MAX_FILE_IMG_SIZE,
+}
+_MAX_CHANNELS = 1 << 16
 
 
 def step_dirs(path: str | os.PathLike[str]) -> list[Path]:
@@ -163,3 +183,70 @@ def read_checkpoint(
         # JSON turns tuples into lists; the config's tuple fields are restored so equality and hashing behave.
         meta["config"] = {k: tuple(v) if isinstance(v, list) else v for k, v in meta["config"].items()}
     return src, meta, state
+
+
+def _registry_name(name: str) -> bool:
+    """Whether timm builds ``name`` from its own registry, offline (not a hub, local-dir or other source)."""
+    try:
+        return timm.models.parse_model_name(name)[0] is None and timm.is_model(name)
+    except ValueError:  # an unknown source prefix ("https://...")
+        return False
+
+
+def check_loadable(
+    src: Path,
+    meta: dict[str, Any],
+    config: AHAConfig,
+    classifier: Classifier,
+    decoder_state: dict[str, torch.Tensor],
+    backbone_state: dict[str, torch.Tensor],
+    trust_backbone: bool = False,
+) -> int:
+    """Check, before anything is built, that the checkpoint in ``src`` can be rebuilt from its own files and
+    ``classifier`` alone, with sizes its weights confirm; returns the image side it was trained at.
+
+    A checkpoint is data, never a pointer elsewhere: a separate backbone must be a timm registry name whose weights
+    the checkpoint holds (unless ``trust_backbone``), so loading sends no request to a hub and opens no other
+    folder. Every size the files set is bounded: the decoder's widths, the classes and the backbone's architecture
+    against the stored weights (built on the meta device, no memory), the rest against :data:`_CONFIG_BOUNDS`.
+
+    Raises:
+        ValueError: naming the file and the field.
+    """
+    where = src / CONFIG_FILE
+    name = config.backbone
+    if name is not None and not trust_backbone:
+        if not _registry_name(name):
+            raise ValueError(
+                f"{where}: refusing backbone {name!r}: a checkpoint may only name a timm registry model (not a hub "
+                "name, a local directory or a URL); pass trust_backbone=True to AHA.load if you trust this file"
+            )
+        if not backbone_state:
+            fetch = "download timm's pretrained weights" if config.backbone_pretrained else "make up random weights"
+            raise ValueError(
+                f"{where}: the checkpoint names backbone {name!r} but does not hold its weights, so loading would "
+                f"{fetch}; pass trust_backbone=True to AHA.load if you trust this file"
+            )
+    if name is None and backbone_state:
+        raise ValueError(f"{src / WEIGHTS_FILE}: backbone weights stored for a config without a separate backbone")
+    try:
+        img_size = file_int(meta["img_size"], "img_size", where, high=MAX_FILE_IMG_SIZE)
+        raw_channels = meta["feature_channels"]
+    except KeyError as err:
+        raise ValueError(f"{where}: corrupt AHA config: missing {err}") from None
+    if not isinstance(raw_channels, list) or not raw_channels:
+        raise ValueError(f"{where}: corrupt metadata: feature_channels must be a list of ints, got {raw_channels!r}")
+    channels = [file_int(c, "feature_channels", where, high=_MAX_CHANNELS) for c in raw_channels]
+    for field, high in _CONFIG_BOUNDS.items():
+        value = getattr(config, field)
+        if value is not None and value > high:
+            raise ValueError(f"{where}: corrupt metadata: {field} must be <= {high}, got {value!r}")
+    with torch.device("meta"):
+        probe = Decoder(channels, classifier.num_classes, config.decoder_dim, config.class_dim)
+    what = f"the decoder its config describes ({classifier.num_classes} classes)"
+    check_state_shapes(probe, decoder_state, src / WEIGHTS_FILE, what)
+    if name is not None and backbone_state and _registry_name(name):
+        side = classifier.input_size[1] if classifier.input_size is not None else None
+        kwargs = {"img_size": side} if side is not None and _accepts_img_size(name) else {}
+        _check_against_weights(name, kwargs, backbone_state, src / WEIGHTS_FILE)
+    return img_size

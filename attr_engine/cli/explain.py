@@ -28,7 +28,9 @@ same files, the same journal and settings, so either engine resumes the other's 
 this loop would form, so deterministic methods give the same maps bit for bit.
 
 Unreadable images are reported one line each and listed in the manifest; the others are still written and the exit
-status stays 0 (a single unreadable input file is an error).
+status stays 0 (a single unreadable input file is an error). A map with NaN or infinite values (outside the NaN
+border of a map in the image's frame) is never written: it is reported and listed as ``failed``, the rest goes on,
+and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -428,7 +430,7 @@ def run_explain(args: argparse.Namespace) -> int:
 
     from attr_engine.checkpoint import save_json
     from attr_engine.distributed import process_rank, shard
-    from attr_engine.explainer import explain_batch
+    from attr_engine.explainer import NONFINITE_MAP, explain_batch, finite_maps
     from attr_engine.imageops import data_config, to_image_frame
 
     _check_engine_args(args)
@@ -515,6 +517,7 @@ def run_explain(args: argparse.Namespace) -> int:
     limit = len(todo) if args.limit is None else args.limit
 
     unreadable: list[dict[str, str]] = []
+    failed: list[dict[str, str]] = []
     keep_original = args.png and not args.model_frame
     start = time.perf_counter()
     bar = tqdm(total=min(len(todo), limit), desc=f"explain [{rank}/{world}]" if world > 1 else "explain", unit="img",
@@ -523,6 +526,11 @@ def run_explain(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     journal_path = out / MANIFEST_DIR / f"rank{rank}-of-{world}{JOURNAL_SUFFIX}"
     journal_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def failure(item: Item, error: str) -> None:
+        # Not an unreadable input: the method failed on a good one. Reported, never written, and the exit status.
+        failed.append({"input": item.name, "reason": error})
+        bar.write(f"attr-engine explain: error: {item.name}: {error}; not written", file=sys.stderr)
 
     def skipped(item: Item, error: str) -> None:
         unreadable.append({"input": item.name, "reason": error})
@@ -541,7 +549,9 @@ def run_explain(args: argparse.Namespace) -> int:
                 todo, args, method=method, options=options, config=config, fingerprint=settings["classifier"]
             )
             for result in results:
-                if result.error is not None:
+                if result.error == NONFINITE_MAP:
+                    failure(result.item, result.error)
+                elif result.error is not None:
                     skipped(result.item, result.error)
                 else:
                     assert result.map is not None  # an ItemResult without an error carries its map
@@ -572,7 +582,11 @@ def run_explain(args: argparse.Namespace) -> int:
                     x = torch.stack([entry.x for entry in good]).to(device)
                     target = _target_tensor(args.target, [entry.item for entry in good])
                     maps, target = explain_batch(classifier, explainer, x, target)
-                    for entry, image, amap, t in zip(good, x.cpu(), maps, target.tolist(), strict=True):
+                    finite = finite_maps(maps)
+                    for entry, image, amap, t, ok in zip(good, x.cpu(), maps, target.tolist(), finite, strict=True):
+                        if not ok:
+                            failure(entry.item, NONFINITE_MAP)
+                            continue
                         if not args.model_frame:
                             amap = to_image_frame(amap, entry.size, config)
                         shown = (image if args.model_frame else entry.original.float().div_(255)) if args.png else None
@@ -590,6 +604,7 @@ def run_explain(args: argparse.Namespace) -> int:
             "written": written,
             "already_done": already,
             "unreadable": unreadable,
+            "failed": failed,
             "seconds": round(seconds, 3),
         },
         out / MANIFEST_DIR / f"rank{rank}-of-{world}.json",
@@ -598,9 +613,11 @@ def run_explain(args: argparse.Namespace) -> int:
     notes = [f"{len(already)} already done"] if already else []
     if unreadable:
         notes.append(f"{len(unreadable)} unreadable")
-    left = len(mine) - len(already) - len(written) - len(unreadable)
+    if failed:
+        notes.append(f"{len(failed)} failed: non-finite maps, not written")
+    left = len(mine) - len(already) - len(written) - len(unreadable) - len(failed)
     if left > 0:
         notes.append(f"{left} left for a later run")
     note = f" ({', '.join(notes)})" if notes else ""
     print(f"{who}{len(written)} {method} map(s) written to {out}{note} in {seconds:.1f} s")
-    return 0
+    return 1 if failed else 0

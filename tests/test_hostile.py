@@ -1,0 +1,244 @@
+"""Hostile inputs (issue #20): crafted checkpoints reach nothing outside themselves, sizes a file sets are bounded
+by its weights, corrupted weights and non-finite maps are refused, concurrent jobs never mix one output directory.
+
+Each crafted file is built here from a real one; the README's "Hostile inputs" table lists the cases.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from attr_engine.aha import AHA, AHAConfig
+from attr_engine.aha.network import build_backbone
+from attr_engine.aha.persistence import CONFIG_FILE, WEIGHTS_FILE
+from attr_engine.checkpoint import load_safetensors, save_safetensors
+from attr_engine.classifier import load_classifier
+from attr_engine.cli import main
+from tests.eval_helpers import single_thread, untrained_resnet_checkpoint
+
+FAST = {"n_fractions": 6, "n_iters": 8, "decoder_dim": 16, "class_dim": 8, "grid_range": (2, 6)}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def classifier_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return untrained_resnet_checkpoint(tmp_path_factory.mktemp("clf"))
+
+
+def _classifier(path: Path):
+    _, meta = load_safetensors(path)
+    return load_classifier(meta["model_name"], checkpoint=path)
+
+
+@pytest.fixture(scope="module")
+def aha_dir(classifier_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An (untrained) AHA saved for the classifier of ``classifier_file``, as train-aha would leave it."""
+    out = tmp_path_factory.mktemp("aha")
+    AHA(_classifier(classifier_file), AHAConfig(**FAST)).save(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    for name in ("a.png", "b.png", "c.png"):
+        Image.fromarray((rng.random((36, 40, 3)) * 255).astype(np.uint8)).save(root / name)
+    return root
+
+
+def _crafted_aha(aha_dir: Path, tmp_path: Path, **config_changes) -> Path:
+    crafted = tmp_path / "crafted-aha"
+    shutil.copytree(aha_dir, crafted)
+    meta = json.loads((crafted / CONFIG_FILE).read_text())
+    for key, value in config_changes.items():
+        if key in meta["config"]:
+            meta["config"][key] = value
+        else:
+            meta[key] = value
+    (crafted / CONFIG_FILE).write_text(json.dumps(meta))
+    return crafted
+
+
+def _one_error_line(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line]
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+def _explain(classifier_file: Path, src: Path, out: Path, *extra: str) -> int:
+    args = ["explain", str(src), "--classifier", str(classifier_file), "--out", str(out), "--no-progress"]
+    return main([*args, "--batch-size", "2", *extra])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. A checkpoint is data: it names no hub, folder or URL, and downloads nothing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("backbone", "pretrained", "message"),
+    [
+        ("hf-hub:evil/model", True, "refusing backbone 'hf-hub:evil/model'"),
+        ("local-dir:/some/folder", False, "refusing backbone 'local-dir:/some/folder'"),
+        ("https://example.invalid/model", False, "refusing backbone"),
+        ("resnet10t", True, "does not hold its weights, so loading would download"),
+    ],
+)
+def test_a_crafted_aha_backbone_is_refused_before_any_io(
+    classifier_file, aha_dir, images, tmp_path, monkeypatch, capsys, backbone, pretrained, message
+):
+    crafted = _crafted_aha(aha_dir, tmp_path, backbone=backbone, backbone_pretrained=pretrained)
+    builds: list[str] = []
+    # Any build of the named backbone (and so any hub request or folder read timm would make) is recorded.
+    monkeypatch.setattr("attr_engine.aha.network.load_classifier", lambda name, **kw: builds.append(name))
+    clf = _classifier(classifier_file)
+    with pytest.raises(ValueError, match=message):
+        AHA.load(crafted, clf)
+    status = _explain(classifier_file, images, tmp_path / "maps", "--method", "aha", "--aha", str(crafted))
+    assert status == 2 and message.split("'")[0] in _one_error_line(capsys)
+    assert builds == [] and not (tmp_path / "maps" / "explain.json").exists()
+
+
+def test_a_separate_backbone_is_saved_with_the_decoder_and_loads_offline(classifier_file, tmp_path, monkeypatch):
+    """A pretrained separate backbone round-trips from the checkpoint alone: it is built without timm's weights
+    (nothing is downloaded) and gets the stored ones, so the maps are the saved explainer's exactly."""
+    clf = _classifier(classifier_file)
+    torch.manual_seed(1)
+    backbone = build_backbone(clf, "test_resnet", None)  # stands in for weights a download would have given
+    aha = AHA(clf, AHAConfig(backbone="test_resnet", backbone_pretrained=True, **FAST), backbone=backbone)
+    aha.save(tmp_path)
+    stored, _ = load_safetensors(tmp_path / WEIGHTS_FILE)
+    assert any(k.startswith("backbone.") for k in stored)
+
+    calls: list[dict] = []
+    real = load_classifier
+
+    def spy(name, **kwargs):
+        calls.append({"name": name, **kwargs})
+        return real(name, **kwargs)
+
+    monkeypatch.setattr("attr_engine.aha.network.load_classifier", spy)
+    torch.manual_seed(2)  # other random weights: only the stored ones can give the same maps
+    loaded = AHA.load(tmp_path, clf)
+    assert [c["pretrained"] for c in calls] == [False]
+    x = torch.rand(2, 3, 32, 32)
+    torch.testing.assert_close(loaded.attribute(x), aha.attribute(x), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. Every size a file sets is bounded by what its weights imply
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"img_size": "100000"}, "img_size must be an integer >= 1 <= 4096"),
+        ({"img_size": "-3"}, "img_size must be an integer >= 1"),
+        ({"num_classes": "10000000"}, "does not match"),
+        ({"num_classes": "many"}, "num_classes must be an integer"),
+    ],
+)
+def test_crafted_classifier_sizes_are_refused_before_allocation(
+    classifier_file, images, tmp_path, capsys, changes, message
+):
+    state, meta = load_safetensors(classifier_file)
+    crafted = tmp_path / "crafted.safetensors"
+    save_safetensors(state, crafted, {**meta, **changes})
+    assert _explain(crafted, images, tmp_path / "maps", "--method", "gradient") == 2
+    assert message in _one_error_line(capsys)
+
+
+def test_a_vit_checkpoint_claiming_another_size_is_refused_by_its_position_embedding(tmp_path):
+    """A ViT's img_size shapes its weights: the claim is checked against them on the meta device."""
+    from attr_engine.classifier import save_classifier
+
+    torch.manual_seed(0)
+    vit = load_classifier("test_vit", num_classes=3, img_size=32)
+    path = tmp_path / "vit.safetensors"
+    save_classifier(vit, path)
+    state, meta = load_safetensors(path)
+    save_safetensors(state, path, {**meta, "img_size": "4000"})
+    with pytest.raises(ValueError, match="pos_embed is"):
+        load_classifier("test_vit", checkpoint=path)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"img_size": 100000}, "img_size must be an integer >= 1 <= 4096"),
+        ({"decoder_dim": 1_000_000}, "does not match the decoder"),
+        ({"class_dim": 3}, "does not match the decoder"),
+        ({"feature_channels": [10**9]}, "feature_channels must be an integer"),
+        ({"n_fractions": 10**9}, "n_fractions must be <= 1024"),
+        ({"n_iters": 10**8}, "n_iters must be <= 10000"),
+    ],
+)
+def test_crafted_aha_sizes_are_refused(classifier_file, aha_dir, tmp_path, changes, message):
+    crafted = _crafted_aha(aha_dir, tmp_path, **changes)
+    with pytest.raises(ValueError, match=message):
+        AHA.load(crafted, _classifier(classifier_file))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Corrupted weights and non-finite maps
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _overwrite_tail(path: Path, n: int = 64) -> None:
+    """0xff over ``n`` bytes at the end of the data section (NaN as float32): the header still parses."""
+    data = bytearray(path.read_bytes())
+    data[-n:] = b"\xff" * n
+    path.write_bytes(bytes(data))
+
+
+def test_corrupted_weights_are_refused_at_load(classifier_file, aha_dir, images, tmp_path, capsys):
+    crafted = _crafted_aha(aha_dir, tmp_path)
+    _overwrite_tail(crafted / WEIGHTS_FILE)
+    with pytest.raises(ValueError, match="holds NaN or infinite values"):
+        AHA.load(crafted, _classifier(classifier_file))
+    status = _explain(classifier_file, images, tmp_path / "maps", "--method", "aha", "--aha", str(crafted))
+    assert status == 2 and "holds NaN or infinite values" in _one_error_line(capsys)
+
+    broken = tmp_path / "classifier.safetensors"
+    shutil.copy(classifier_file, broken)
+    _overwrite_tail(broken)
+    assert _explain(broken, images, tmp_path / "maps2", "--method", "gradient") == 2
+    assert "holds NaN or infinite values" in _one_error_line(capsys)
+
+
+def test_a_non_finite_map_is_an_error_for_its_image_and_the_exit_status(classifier_file, images, tmp_path, capsys):
+    """A method that returns NaN for one image: that map is not written, the others are, and the run exits 1."""
+    from attr_engine.explainer import FunctionExplainer, register_explainer
+
+    def nan_for_bright(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        maps = x.mean(1).clone()
+        maps[x.mean(dim=(1, 2, 3)) > x.mean()] = float("nan")
+        return maps
+
+    register_explainer(
+        "test-nan-for-bright", lambda clf, **kw: FunctionExplainer(clf, nan_for_bright, name="nan"), description="t"
+    )
+    out = tmp_path / "maps"
+    status = _explain(classifier_file, images, out, "--method", "test-nan-for-bright", "--batch-size", "3")
+    captured = capsys.readouterr()
+    manifest = json.loads((out / "_manifest" / "rank0-of-1.json").read_text())
+    assert status == 1
+    assert manifest["failed"] and all("NaN" in f["reason"] for f in manifest["failed"])
+    written = sorted(p.name for p in out.glob("*.npy"))
+    assert len(written) + len(manifest["failed"]) == 3 and written
+    assert all(np.isfinite(np.load(out / name)).any() for name in written)
+    assert "failed: non-finite maps" in captured.out
