@@ -184,14 +184,15 @@ def save_safetensors(
 
 
 def load_safetensors(
-    path: str | os.PathLike[str], device: str | torch.device = "cpu", *, finite: bool = True
+    path: str | os.PathLike[str], device: str | torch.device = "cpu", *, finite: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read a safetensors file into ``({name: tensor}, metadata)``.
 
     Args:
-        finite: check that every floating-point tensor is finite. Weights are never NaN or infinite, so a file
-            that holds such values was damaged after it was written (safetensors has no checksum: bytes
-            overwritten in the data section still parse); without this check every map it makes would be NaN.
+        finite: check that every floating-point tensor is finite, as the weight loaders do (maps may hold NaN
+            borders; weights never hold NaN or infinity, so a weights file that does was damaged after it was
+            written: safetensors has no checksum, bytes overwritten in its data section still parse, and every map
+            made with it would be NaN).
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
@@ -349,7 +350,7 @@ def save_state(state: Any, path: str | os.PathLike[str], metadata: Mapping[str, 
 
 def load_state(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> tuple[Any, dict[str, str]]:
     """Load what :func:`save_state` wrote: ``(state, metadata)`` with the skeleton key removed from ``metadata``."""
-    tensors, meta = load_safetensors(path, device=device)
+    tensors, meta = load_safetensors(path, device=device, finite=True)
     if _SKELETON_KEY not in meta:
         raise ValueError(f"{path} holds plain tensors, not a nested state saved by save_state")
     try:

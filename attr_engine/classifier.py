@@ -406,7 +406,7 @@ def load_classifier(
     state: dict[str, torch.Tensor] | None = None
     mean = std = None
     if checkpoint is not None:
-        state, meta = load_safetensors(checkpoint)
+        state, meta = load_safetensors(checkpoint, finite=True)
         if meta.get("format") == _CHECKPOINT_FORMAT:
             saved_name = meta.get("model_name")
             arch = timm.models.split_model_name_tag  # "resnet50.a1_in1k" and "resnet50" share weights' shapes

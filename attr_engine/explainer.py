@@ -17,6 +17,7 @@ entry point is loaded only when its name is asked for (or when a classifier filt
 from __future__ import annotations
 
 import copy
+import difflib
 import importlib
 import math
 import warnings
@@ -39,6 +40,7 @@ __all__ = [
     "Explainer",
     "ExplainerSpec",
     "FunctionExplainer",
+    "UnknownExplainerError",
     "explain_batch",
     "finite_maps",
     "get_explainer",
@@ -47,6 +49,7 @@ __all__ = [
     "register_explainer",
     "register_explainer_family",
     "resolve_baselines",
+    "resolve_explainer",
     "resolve_targets",
 ]
 
@@ -434,6 +437,7 @@ _ALIASES = {
     "rollout": "attention-rollout",
     "sfp": "pullback-soft",
     "pa": "pullback-ascent",
+    "pullback": "pullback-ascent",  # the command line's default method
 }
 _builtins_loaded = False
 _plugins: dict[str, metadata.EntryPoint] | None = None  # canonical name -> entry point not yet loaded
@@ -581,6 +585,37 @@ def list_explainers(classifier: nn.Module | None = None) -> list[str]:
     return sorted(name for name, spec in _REGISTRY.items() if spec.applies(model))
 
 
+class UnknownExplainerError(ValueError):
+    """No registered method, alias, family or plugin has this name; ``close`` holds the nearest known names."""
+
+    def __init__(self, name: str, close: Sequence[str] = ()) -> None:
+        self.name, self.close = name, list(close)
+        hint = f" (did you mean {', '.join(self.close)}?)" if self.close else ""
+        super().__init__(f"unknown explainer {name!r}{hint}; known: {', '.join(list_explainers())}")
+
+
+def resolve_explainer(name: str) -> str:
+    """The canonical registry name of ``name``: the one every caller records and compares.
+
+    Case, ``_`` / ``-`` and spaces do not matter and aliases resolve (``"AHA"`` -> ``"aha"``, ``"pullback"`` /
+    ``"PA"`` -> ``"pullback-ascent"``); a family name keeps its member as written (``"Captum:DeepLift"`` ->
+    ``"captum:DeepLift"``: class names are case-sensitive).
+
+    Raises:
+        UnknownExplainerError: nothing is registered under that name (with close matches).
+    """
+    _load_builtins()
+    if isinstance(name, str) and ":" in name:
+        prefix, _, rest = name.strip().partition(":")
+        key = prefix.strip().lower()
+        if key in _FAMILIES:
+            return f"{key}:{rest.strip()}"
+    key = _canonical(name)
+    if key in _REGISTRY or key in _plugin_entry_points():
+        return key
+    raise UnknownExplainerError(name, difflib.get_close_matches(key, list_explainers(), n=3))
+
+
 def get_explainer(name: str, classifier: nn.Module, **kwargs: Any) -> Explainer:
     """Build the explainer ``name`` for ``classifier``; ``kwargs`` go to its constructor.
 
@@ -595,10 +630,10 @@ def get_explainer(name: str, classifier: nn.Module, **kwargs: Any) -> Explainer:
         family = _FAMILIES.get(prefix.strip().lower())
         if family is not None:
             return family(classifier, rest, **kwargs)
-    key = _canonical(name)
+    key = resolve_explainer(name)
     spec = _REGISTRY.get(key) or _load_plugin(key)
-    if spec is None:
-        raise ValueError(f"unknown explainer {name!r}; known: {', '.join(list_explainers())}")
+    if spec is None:  # a plugin that registered something else under its name
+        raise UnknownExplainerError(name)
     model = getattr(classifier, "model", classifier)
     if not spec.applies(model):
         raise ValueError(f"explainer {key!r} does not apply to {type(model).__name__} ({spec.description})")

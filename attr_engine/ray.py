@@ -143,10 +143,9 @@ class AttributionJob:
 def build_method(job: AttributionJob, classifier: Any) -> Any:
     """The job's explainer for ``classifier`` (``attribute(x (B, 3, H, W), target (B,)) -> (B, H, W)``)."""
     from attr_engine import AHA, get_explainer
+    from attr_engine.explainer import resolve_explainer
 
-    key = job.method.strip().lower().replace("_", "-")
-    # "pullback" is the command line's name for Pullback Ascent (its default method); the registry knows "pa".
-    key = "pullback-ascent" if key == "pullback" else key
+    key = resolve_explainer(job.method)
     kwargs = dict(job.options)
     if key == "aha":
         if job.aha is None:
@@ -214,11 +213,10 @@ class BatchAttributor:
 
         self.job = job
         self.device = resolve_device(job.device)
-        torch.manual_seed(job.seed)  # random weights (a timm model without pretrained) alike on every actor
         spec = argparse.Namespace(  # the CLI's flags, which load_classifier_args reads
             classifier=job.classifier, model=job.model, pretrained=job.pretrained, num_classes=job.num_classes
         )
-        self.classifier = load_classifier_args(spec, self.device, img_size=job.img_size)
+        self.classifier = load_classifier_args(spec, self.device, img_size=job.img_size, seed=job.seed)
         if job.fingerprint is not None and classifier_fingerprint(self.classifier) != job.fingerprint:
             raise ValueError(
                 f"the classifier this actor loaded ({job.classifier or job.model}) is not the one the job was set up "

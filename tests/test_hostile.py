@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +26,7 @@ from attr_engine.classifier import load_classifier
 from attr_engine.cli import main
 from tests.eval_helpers import single_thread, untrained_resnet_checkpoint
 
+REPO = Path(__file__).resolve().parents[1]
 FAST = {"n_fractions": 6, "n_iters": 8, "decoder_dim": 16, "class_dim": 8, "grid_range": (2, 6)}
 
 
@@ -242,3 +246,119 @@ def test_a_non_finite_map_is_an_error_for_its_image_and_the_exit_status(classifi
     assert len(written) + len(manifest["failed"]) == 3 and written
     assert all(np.isfinite(np.load(out / name)).any() for name in written)
     assert "failed: non-finite maps" in captured.out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4-6. Concurrent and repeated jobs: one directory one digest, seeded builds, canonical method names
+# ---------------------------------------------------------------------------------------------------------------
+
+# A real `attr-engine explain` process whose method waits, inside the run, until the test opens a gate file.
+_WAITING_JOB = """
+import pathlib, sys, time
+from attr_engine.cli import main
+from attr_engine.explainer import FunctionExplainer, register_explainer
+
+gate = pathlib.Path(sys.argv[1])
+
+def waiting(x, target):
+    (gate.parent / "started").touch()
+    while not gate.exists():
+        time.sleep(0.05)
+    return x.mean(1)
+
+register_explainer("test-waits", lambda clf, **kw: FunctionExplainer(clf, waiting, name="test-waits"))
+sys.exit(main(["--threads", "1", *sys.argv[2:]]))
+"""
+
+
+def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "attr_engine", "--threads", "1", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
+def test_two_jobs_with_other_settings_never_share_an_output_directory(classifier_file, images, tmp_path):
+    out = tmp_path / "r"
+    common = ["explain", str(images), "--classifier", str(classifier_file), "--out", str(out), "--no-progress"]
+    gate = tmp_path / "gate"
+    first = subprocess.Popen(
+        [sys.executable, "-c", _WAITING_JOB, str(gate), *common, "--method", "test-waits", "--batch-size", "1"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "started").exists():
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, "the first job never started its work"
+            time.sleep(0.1)
+        # The first job is inside its run and has written nothing: only its claim tells that the folder is taken.
+        second = _cli(*common, "--method", "saliency")
+        assert second.returncode == 2, second.stderr
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and "being written right now by another job" in lines[0] and "test-waits" in lines[0]
+    finally:
+        gate.touch()
+        _, stderr = first.communicate(timeout=240)
+    assert first.returncode == 0, stderr
+    assert json.loads((out / "explain.json").read_text())["method"] == "test-waits"
+    assert len(list(out.glob("*.npy"))) == 3
+    # Once the first job is gone its recorded settings still refuse the other method, and nothing was mixed in.
+    again = _cli(*common, "--method", "saliency")
+    assert again.returncode == 2 and "holds maps made with other settings" in again.stderr
+    assert not list((out / "_manifest" / "claims").glob("*.claim"))
+
+
+def test_claims_of_dead_jobs_are_stale_and_same_settings_share(tmp_path):
+    from attr_engine.claims import CLAIMS_DIR, OutputInUseError, claim_output
+
+    (tmp_path / CLAIMS_DIR).mkdir(parents=True)
+    (tmp_path / CLAIMS_DIR / "other-1-00000000.claim").write_text("{}")  # no process holds its lock
+    with claim_output(tmp_path, "mine", "first") as sharing:
+        assert sharing == 0 and not (tmp_path / CLAIMS_DIR / "other-1-00000000.claim").exists()
+        with claim_output(tmp_path, "mine", "second") as sharing_too:
+            assert sharing_too == 1
+        with pytest.raises(OutputInUseError, match=r"other settings \(first\)"), claim_output(tmp_path, "x", "y"):
+            pass
+    with claim_output(tmp_path, "x", "after"):
+        pass
+
+
+def test_seed_fixes_the_random_weights_of_a_model_in_the_local_engine(images, tmp_path):
+    runs = []
+    for name in ("o1", "o2"):
+        args = ["explain", str(images), "--model", "resnet10t", "--num-classes", "4", "--img-size", "32"]
+        assert main([*args, "--method", "saliency", "--seed", "0", "--out", str(tmp_path / name), "--no-progress"]) == 0
+        runs.append(json.loads((tmp_path / name / "explain.json").read_text())["classifier"])
+        torch.rand(7)  # the global generator moves on between runs, as it does in a longer program
+    assert runs[0] == runs[1]
+    np.testing.assert_array_equal(np.load(tmp_path / "o1" / "a.npy"), np.load(tmp_path / "o2" / "a.npy"))
+
+
+def test_method_names_resolve_once_to_their_canonical_name():
+    from attr_engine.explainer import UnknownExplainerError, resolve_explainer
+
+    assert resolve_explainer(" AHA") == resolve_explainer("aha") == "aha"
+    assert resolve_explainer("Pullback") == resolve_explainer("PA") == "pullback-ascent"
+    assert resolve_explainer("Integrated_Gradients") == "integrated-gradients"
+    assert resolve_explainer("Captum:DeepLift") == "captum:DeepLift"
+    with pytest.raises(UnknownExplainerError) as info:
+        resolve_explainer("salency")
+    assert "saliency" in info.value.close
+
+
+@pytest.mark.parametrize("spelling", ["AHA", " aha", "Aha"])
+def test_any_spelling_of_aha_records_the_checkpoint_and_refinement(
+    classifier_file, aha_dir, images, tmp_path, spelling
+):
+    out = tmp_path / "maps"
+    extra = ["--method", spelling, "--aha", str(aha_dir), "--refine-steps", "1"]
+    assert _explain(classifier_file, images, out, *extra) == 0
+    settings = json.loads((out / "explain.json").read_text())
+    assert settings["method"] == "aha" and len(settings["aha"]) == 16 and settings["refine_steps"] == 1

@@ -169,7 +169,7 @@ def read_checkpoint(
     meta = load_json(src / CONFIG_FILE)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{src / CONFIG_FILE} is not an AHA checkpoint config (format {FORMAT})")
-    state, weights_meta = load_safetensors(src / WEIGHTS_FILE, device=classifier.norm_mean.device)
+    state, weights_meta = load_safetensors(src / WEIGHTS_FILE, device=classifier.norm_mean.device, finite=True)
     steps = str(meta.get("steps_trained", 0))
     same_step = weights_meta.get("steps_trained", steps) == steps
     if weights_meta.get("classifier") != meta.get("classifier") or not same_step:

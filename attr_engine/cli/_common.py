@@ -34,6 +34,7 @@ __all__ = [
     "open_classifier",
     "parse_key_values",
     "resolve_device",
+    "resolve_method",
     "work_started",
 ]
 
@@ -215,8 +216,17 @@ def _registry_name(name: str) -> bool:
     return timm.models.parse_model_name(name)[0] is None
 
 
-def load_classifier_args(args: argparse.Namespace, device: torch.device, *, img_size: int | None = None) -> Classifier:
-    """Build the classifier named by ``--classifier`` / ``--model`` / ``--pretrained`` on ``device``."""
+def load_classifier_args(
+    args: argparse.Namespace, device: torch.device, *, img_size: int | None = None, seed: int = 0
+) -> Classifier:
+    """Build the classifier named by ``--classifier`` / ``--model`` / ``--pretrained`` on ``device``.
+
+    The build is seeded with ``seed`` (torch's global generator is left as it was): random weights (``--model``
+    alone) are then the same in every process that builds them, the local engine, each Ray actor and a resumed
+    run, so the classifier's fingerprint, and with it the run's settings, can be reproduced.
+    """
+    import torch
+
     checkpoint = Path(args.classifier) if args.classifier else None
     name = args.model
     if checkpoint is None and name is None:
@@ -237,9 +247,11 @@ def load_classifier_args(args: argparse.Namespace, device: torch.device, *, img_
             raise UsageError(f"{checkpoint} does not record its architecture; name it with --model NAME")
     if name in SMALL_MODELS:
         raise UsageError(f"{name!r} is a train-classifier preset; pass the checkpoint it wrote with --classifier")
-    clf = open_classifier(
-        name, pretrained=args.pretrained, num_classes=args.num_classes, img_size=img_size, checkpoint=checkpoint
-    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        clf = open_classifier(
+            name, pretrained=args.pretrained, num_classes=args.num_classes, img_size=img_size, checkpoint=checkpoint
+        )
     # After the build: a bad name is then the one error line, with no warning before it.
     if checkpoint is None and not args.pretrained:
         import warnings
@@ -299,6 +311,20 @@ def open_classifier(name: str, **kwargs: Any) -> Classifier:
         raise UsageError(f"cannot load {name!r}: {' '.join(str(err).split())[:300]}") from None
 
 
+def resolve_method(name: str) -> str:
+    """The canonical registry name of ``--method`` (:func:`attr_engine.explainer.resolve_explainer`), or a
+    one-line error with close matches: what every command records, compares and builds."""
+    from attr_engine.explainer import UnknownExplainerError, resolve_explainer
+
+    try:
+        return resolve_explainer(name)
+    except UnknownExplainerError as err:
+        hint = f" (did you mean {', '.join(err.close)}?)" if err.close else ""
+        from attr_engine.explainer import list_explainers
+
+        raise UsageError(f"unknown method {name!r}{hint}; available: {', '.join(list_explainers())}") from None
+
+
 def build_explainer(
     name: str,
     classifier: Classifier,
@@ -310,13 +336,12 @@ def build_explainer(
 ) -> Any:
     """An explainer from the registry (``attribute(x, target) -> (B, H, W)``) with a clear error for a bad name.
 
-    ``"pullback"`` is Pullback Ascent; ``"aha"`` loads the trained explainer from ``aha_dir``.
+    ``name`` is resolved to its canonical name first (``"pullback"`` is Pullback Ascent); ``"aha"`` loads the
+    trained explainer from ``aha_dir``.
     """
-    from attr_engine.explainer import get_explainer, list_explainers
+    from attr_engine.explainer import get_explainer
 
-    key = name.strip().lower().replace("_", "-")
-    if key == "pullback":
-        key = "pullback-ascent"
+    key = resolve_method(name)
     kwargs = dict(options or {})
     if key == "aha":
         kwargs.update(aha=load_aha(aha_dir, classifier), refine_steps=refine_steps, seed=seed)
@@ -326,13 +351,6 @@ def build_explainer(
         return get_explainer(key, classifier, **kwargs)
     except TypeError as err:
         raise UsageError(f"method {name!r} does not take these options: {err}") from None
-    except ValueError as err:
-        if "unknown explainer" in str(err):
-            names = sorted([*list_explainers(), "pullback"])
-            close = difflib.get_close_matches(key, names, n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise UsageError(f"unknown method {name!r}{hint}; available: {', '.join(names)}") from None
-        raise
 
 
 def load_aha(path: str | os.PathLike[str] | None, classifier: Classifier) -> Any:

@@ -16,6 +16,7 @@ from attr_engine.cli._common import (
     check_writable_dir,
     load_classifier_args,
     resolve_device,
+    resolve_method,
     work_started,
 )
 
@@ -177,7 +178,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         raise UsageError(f"--refine-steps must be >= 0, got {args.refine_steps}")
     out = check_writable_dir(args.out) if args.out else None
     device = resolve_device(args.device)
-    classifier = load_classifier_args(args, device, img_size=args.img_size)
+    classifier = load_classifier_args(args, device, img_size=args.img_size, seed=args.seed)
     img_size = args.img_size or (classifier.input_size[1] if classifier.input_size else 224)
     data = evaluation_data(args.data, num_images=args.num_images, img_size=img_size, seed=args.seed)
     has_masks = len(data) == 3
@@ -189,7 +190,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     methods: dict[str, Any] = {}
     for name in names:
         methods[name] = build_explainer(name, classifier, aha_dir=args.aha, seed=args.seed)
-        if name == "aha" and args.refine_steps:
+        if resolve_method(name) == "aha" and args.refine_steps:
             methods[f"aha (T={args.refine_steps})"] = build_explainer(
                 name, classifier, aha_dir=args.aha, refine_steps=args.refine_steps, seed=args.seed
             )

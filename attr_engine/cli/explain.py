@@ -36,6 +36,7 @@ and the exit status is 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import sys
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from attr_engine.claims import claim_output
 from attr_engine.cli._common import (
     UsageError,
     add_classifier_args,
@@ -54,6 +56,7 @@ from attr_engine.cli._common import (
     load_classifier_args,
     parse_key_values,
     resolve_device,
+    resolve_method,
     work_started,
 )
 
@@ -424,6 +427,12 @@ def _check_engine_args(args: argparse.Namespace) -> None:
 
 
 def run_explain(args: argparse.Namespace) -> int:
+    # The stack holds the claim on the output directory (attr_engine.claims) from the settings check to the end.
+    with contextlib.ExitStack() as stack:
+        return _run_explain(args, stack)
+
+
+def _run_explain(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     import torch
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
@@ -458,7 +467,8 @@ def run_explain(args: argparse.Namespace) -> int:
         raise UsageError(f"input not found: {src}")
     if src.is_dir() and (out.resolve() == src.resolve() or src.resolve() in out.resolve().parents):
         raise UsageError(f"--out {out} lies inside the input folder {src}; its maps would be read as inputs")
-    method = args.method or ("aha" if args.aha else "pullback")
+    # Resolved once: the canonical name is what the settings record and every check below compares.
+    method = resolve_method(args.method or ("aha" if args.aha else "pullback"))
     options = parse_key_values(args.option, "--option")
 
     items, reader = list_inputs(src, args.format)
@@ -470,14 +480,10 @@ def run_explain(args: argparse.Namespace) -> int:
             f"--target label: {unlabelled} image(s) directly in {src} are in no class folder; move them into one or "
             "explain them with another --target"
         )
-    if args.engine == "ray":
-        # The driver only checks the settings and writes: the actors hold the classifier on their devices. Seeded
-        # as every actor is before it builds the classifier, so random weights (--model alone) are the same there.
-        device = resolve_device("cpu")
-        torch.manual_seed(args.seed)
-    else:
-        device = resolve_device(args.device)
-    classifier = load_classifier_args(args, device, img_size=args.img_size)
+    # With Ray the driver only checks the settings and writes: the actors hold the classifier on their devices. The
+    # build is seeded as every actor's is, so random weights (--model alone) are the same everywhere.
+    device = resolve_device("cpu" if args.engine == "ray" else args.device)
+    classifier = load_classifier_args(args, device, img_size=args.img_size, seed=args.seed)
     img_size = args.img_size or (classifier.input_size[1] if classifier.input_size else 224)
     # A train-classifier / demo checkpoint learnt on whole frames (resized, crop_pct 1.0); a timm model on timm's crop.
     crop_pct = args.crop_pct if args.crop_pct is not None else (1.0 if args.classifier else None)
@@ -496,11 +502,18 @@ def run_explain(args: argparse.Namespace) -> int:
         raise UsageError(f"--target label: the tree has more class folders than the classifier's {num_classes} classes")
     out = check_writable_dir(out)
     settings = _settings(args, method, options, classifier, config)
-    _check_settings(out, settings, args.overwrite)
     digest = settings_digest(settings)
+    # One directory, one digest: a live job with other settings refuses this one, and the recorded settings are
+    # compared under the same lock, so two jobs started together cannot both pass.
+    sharing = stack.enter_context(
+        claim_output(out, digest, f"method {method}", check=lambda: _check_settings(out, settings, args.overwrite))
+    )
 
     mine = shard(items, rank, world)
-    _remove_stale_temporaries(out, mine, rank, world)
+    if world > 1 or not sharing:
+        # Alone (or one of disjoint shards): temporaries of this process's outputs are a killed run's leftovers. A
+        # job with the same settings in the same directory may be writing them right now: left alone then.
+        _remove_stale_temporaries(out, mine, rank, world)
     journal = {} if args.overwrite else read_journal(out)
 
     def done(item: Item) -> bool:
