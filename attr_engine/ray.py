@@ -45,9 +45,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import logging
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +67,16 @@ if TYPE_CHECKING:
     from attr_engine.cli.explain import Item
     from attr_engine.imageops import DataConfig
 
-__all__ = ["AttributionJob", "BatchAttributor", "ItemResult", "attribute_dataset", "explain_items", "ray_session"]
+__all__ = [
+    "AttributionJob",
+    "BatchAttributor",
+    "ItemResult",
+    "RemoteWorkerError",
+    "attribute_dataset",
+    "explain_items",
+    "plan_actors",
+    "ray_session",
+]
 
 FRAMES = ("model", "image")
 # Input layouts in the order they are looked for.
@@ -208,11 +219,12 @@ class BatchAttributor:
         import torch
 
         from attr_engine.aha.model import classifier_fingerprint
-        from attr_engine.cli._common import load_classifier_args, resolve_device
+        from attr_engine.cli._common import load_classifier_args
+        from attr_engine.distributed import local_device
         from attr_engine.imageops import data_config
 
         self.job = job
-        self.device = resolve_device(job.device)
+        self.device = local_device(job.device)
         spec = argparse.Namespace(  # the CLI's flags, which load_classifier_args reads
             classifier=job.classifier, model=job.model, pretrained=job.pretrained, num_classes=job.num_classes
         )
@@ -413,20 +425,142 @@ def attribute_dataset(
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class RemoteWorkerError(ValueError):
+    """A Ray actor failed (building the method, a batch): its own error message, one line, without Ray's traceback."""
+
+
+def _probe(address: str, timeout: float = 5.0) -> None:
+    """Fail in one line, within ``timeout`` seconds, unless the ``host:port`` of ``address`` accepts a connection
+    (``ray.init`` itself retries an unreachable address for about 20 s, then raises from deep inside)."""
+    import socket
+
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--address must be HOST:PORT, ray://HOST:PORT or auto, got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as err:
+        raise ConnectionError(f"cannot reach the Ray cluster at {address}: {err.strerror or err}") from None
+
+
 @contextlib.contextmanager
-def ray_session(address: str | None = None) -> Iterator[None]:
+def ray_session(address: str | None = None, *, verbose: bool = False) -> Iterator[None]:
     """Ray, connected: the running session if there is one (left running), else ``address`` (``None``: the cluster
-    in ``$RAY_ADDRESS``, else a new local one), shut down on exit."""
+    in ``$RAY_ADDRESS``, else a new local one), shut down on exit.
+
+    An address that cannot be reached, or a ``ray://`` address without the Ray client installed, fails at once in
+    one line (ConnectionError / ValueError) before anything else happens. Ray's start-up messages are shown only
+    with ``verbose``.
+    """
     import ray
 
     if ray.is_initialized():
         yield
         return
-    ray.init(address=address, include_dashboard=False, configure_logging=False)
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is not None and address not in ("auto", "local"):
+        if address.startswith("ray://") and importlib.util.find_spec("grpc") is None:
+            raise ValueError("a ray:// address needs the Ray client: pip install 'ray[client]'")
+        _probe(address)
+    # Ray's own loggers (start-up notes, token-auth notices) are quieted for the session unless verbose.
+    ray_logger = logging.getLogger("ray")
+    level = ray_logger.level
+    if not verbose:
+        ray_logger.setLevel(logging.ERROR)
+        # Ray's C++ core logs notes at "error" level to stderr; set for the processes this session starts.
+        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
     try:
-        yield
+        try:
+            ray.init(
+                address=address,
+                include_dashboard=False,
+                configure_logging=False,
+                logging_level=logging.INFO if verbose else logging.ERROR,
+                log_to_driver=verbose,
+            )
+        except ConnectionError as err:
+            text = " ".join(str(err).split())
+            raise ConnectionError(f"cannot connect to the Ray cluster at {address}: {text}") from None
+        try:
+            yield
+        finally:
+            ray.shutdown()
     finally:
-        ray.shutdown()
+        ray_logger.setLevel(level)
+
+
+def plan_actors(actors: int, gpus_per_actor: float | None, device: str, *, strict: bool = True) -> float:
+    """Check the connected cluster can host the job's actors and return the GPUs each one reserves.
+
+    Ray waits forever for resources that never come (printing autoscaler errors), and an actor that asks for CUDA
+    without a GPU dies with a traceback; both are decided here, on the driver, before any actor starts.
+
+    Args:
+        actors: actors in the pool, each with one CPU.
+        gpus_per_actor: GPUs each actor reserves; ``None``: 1 when the cluster has GPUs and ``device`` is not
+            ``cpu``, else 0.
+        device: the actors' device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+        strict: refuse a request the cluster's nodes cannot meet now (a local cluster: no node will join). A
+            joined cluster may have an autoscaler that adds the nodes asked for, so there the shortfall is a
+            warning.
+
+    Raises:
+        ValueError: the device name is unknown or, with ``strict``, CUDA is asked for without GPUs or the actors do
+            not fit.
+    """
+    import math
+
+    import ray
+    import torch
+
+    check_int_at_least(actors, "actors", 1)
+    if device != "auto":
+        try:
+            kind = torch.device(device).type
+        except (RuntimeError, TypeError):
+            raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device {device!r}: the Ray engine's actors run on cpu or cuda")
+    nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+    total_gpus = sum(node.get("GPU", 0.0) for node in nodes)
+    gpus = gpus_per_actor
+    if gpus is None:
+        gpus = 1.0 if device != "cpu" and total_gpus > 0 else 0.0
+    if device.startswith("cuda") and gpus <= 0:
+        why = "the Ray cluster has no GPUs" if total_gpus == 0 else "--gpus-per-actor is 0"
+        raise ValueError(f"--device {device}: the actors would get no GPU ({why})")
+    fits = 0
+    for node in nodes:
+        per_node = math.floor(node.get("CPU", 0.0))
+        if gpus > 0:
+            per_node = min(per_node, math.floor(node.get("GPU", 0.0) / gpus + 1e-9))
+        fits += per_node
+    if fits < actors:
+        total_cpus = sum(node.get("CPU", 0.0) for node in nodes)
+        ask = f"1 CPU and {gpus:g} GPU" if gpus > 0 else "1 CPU"
+        message = (
+            f"{actors} actor(s) of {ask} each do not fit the Ray cluster ({total_cpus:g} CPUs, {total_gpus:g} "
+            f"GPUs on {len(nodes)} node(s)): lower --actors or --gpus-per-actor"
+        )
+        if strict:
+            raise ValueError(message)
+        warnings.warn(f"{message}; the job waits until the cluster's autoscaler adds them", stacklevel=2)
+    return float(gpus)
+
+
+def _one_line(err: BaseException) -> str:
+    """The message of the error an actor raised, out of Ray's wrapping (task and actor-death errors)."""
+    import re
+
+    cause = getattr(err, "cause", None)
+    text = str(cause if isinstance(cause, BaseException) else err)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # Ray colours the actor's name
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        match = re.match(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception)): (.+)$", line)
+        if match:
+            return match.group(2)
+    return lines[-1] if lines else type(err).__name__
 
 
 @dataclass
@@ -448,17 +582,18 @@ def explain_items(
     options: Mapping[str, Any],
     config: DataConfig,
     fingerprint: str,
+    num_gpus: float,
 ) -> Iterator[ItemResult]:
     """Run ``explain``'s job for ``items`` on Ray; yields each input's result once, in the order they finish.
 
     The dataset is built of blocks of exactly ``--batch-size`` inputs, in order: the batches the local engine
     would form, so a deterministic method gives the same maps bit for bit (a batch's composition changes the
-    floating-point rounding of a convolution's gradient).
+    floating-point rounding of a convolution's gradient). ``num_gpus``: GPUs per actor, as :func:`plan_actors`
+    decided them.
     """
     import pandas as pd
     import ray
     import ray.data
-    import torch
 
     job = AttributionJob(
         method=method,
@@ -490,27 +625,39 @@ def explain_items(
         )
         for start in range(0, len(items), size)
     ]
-    with ray_session(args.address):
+    with ray_session(args.address, verbose=args.verbose):
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # explain draws its own bar
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
-        gpus = args.gpus_per_actor
-        if gpus is None:
-            gpus = 1.0 if args.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-        ds = _map_job(ray.data.from_pandas(blocks), job, batch_size=size, concurrency=args.actors, num_gpus=gpus,
+        logging.getLogger("ray.data").setLevel(logging.INFO if args.verbose else logging.ERROR)
+        ds = _map_job(ray.data.from_pandas(blocks), job, batch_size=size, concurrency=args.actors, num_gpus=num_gpus,
                       num_cpus=1.0)  # fmt: skip
-        seen: set[int] = set()
-        for row in ds.iter_rows():
-            index = int(row["index"])
-            if index in seen:  # a retried batch is emitted once; this only guards the writes if that ever changes
-                continue
-            seen.add(index)
-            item = items[index]
-            if row["error"]:
-                yield ItemResult(item, error=str(row["error"]))
-                continue
-            shown = None
-            if args.png:
-                picture = torch.from_numpy(row["original" if job.frame == "image" else "input"].copy())
-                shown = picture.float().div_(255) if picture.dtype == torch.uint8 else picture
-            yield ItemResult(item, torch.from_numpy(row["map"].copy()), shown, int(row["target"]))
+        yield from _rows(ds, items, job, args.png)
+
+
+def _rows(ds: ray.data.Dataset, items: list[Item], job: AttributionJob, png: bool) -> Iterator[ItemResult]:
+    """The job's output rows as ItemResults, each input once; an actor's failure as one line."""
+    import ray
+    import torch
+
+    seen: set[int] = set()
+    rows = iter(ds.iter_rows())
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except ray.exceptions.RayError as err:  # Ray Data's UserCodeException and actor deaths are RayErrors
+            raise RemoteWorkerError(f"a Ray actor failed: {_one_line(err)}") from None
+        index = int(row["index"])
+        if index in seen:  # a retried batch is emitted once; this only guards the writes if that ever changes
+            continue
+        seen.add(index)
+        item = items[index]
+        if row["error"]:
+            yield ItemResult(item, error=str(row["error"]))
+            continue
+        shown = None
+        if png:
+            picture = torch.from_numpy(row["original" if job.frame == "image" else "input"].copy())
+            shown = picture.float().div_(255) if picture.dtype == torch.uint8 else picture
+        yield ItemResult(item, torch.from_numpy(row["map"].copy()), shown, int(row["target"]))

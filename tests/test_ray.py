@@ -246,3 +246,61 @@ def test_import_attr_engine_and_help_do_not_import_ray():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False"]
+
+
+class _BrokenActor(BatchAttributor):
+    """An actor whose set-up fails where the driver's checks cannot see it (e.g. a file only the nodes read)."""
+
+    def __init__(self, job: attr_ray.AttributionJob) -> None:
+        raise ValueError("this actor cannot build its method")
+
+
+def _one_line(capsys) -> str:
+    lines = [line for line in capsys.readouterr().err.splitlines() if "warning: --model" not in line and line]
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    return lines[0]
+
+
+def test_a_request_the_cluster_cannot_meet_is_one_line_before_anything_starts(cluster, data, tmp_path, capsys):
+    """Issue #20.7/8: --gpus-per-actor on a cluster without GPUs hung; --device cuda died in the actors."""
+    checkpoint, src = data
+    cases = [(("--gpus-per-actor", "1"), "do not fit the Ray cluster"), (("--actors", "3"), "do not fit")]
+    if not ray.cluster_resources().get("GPU"):
+        cases.append((("--device", "cuda"), "the actors would get no GPU (the Ray cluster has no GPUs)"))
+    for extra, message in cases:
+        out = tmp_path / "out"
+        assert _explain(checkpoint, src, out, "--engine", "ray", *extra) == 2
+        assert message in _one_line(capsys)
+        assert not out.exists()
+
+
+def test_an_error_inside_an_actor_is_its_own_one_line_message(cluster, data, tmp_path, monkeypatch, capsys):
+    checkpoint, src = data
+    monkeypatch.setattr(attr_ray, "BatchAttributor", _BrokenActor)
+    assert _explain(checkpoint, src, tmp_path / "out", "--engine", "ray", "--limit", "1") == 1
+    assert "error: a Ray actor failed: this actor cannot build its method" in _one_line(capsys)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:{port}", "ray://127.0.0.1:{port}"])
+def test_an_unreachable_cluster_is_one_line_fast_and_writes_nothing(data, tmp_path, address):
+    """Issue #20.9: an unreachable --address took 21 s, exited 1 and left OUT/_manifest; ray:// gave a traceback."""
+    import socket
+
+    checkpoint, src = data
+    with socket.socket() as s:  # a port nobody listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        out = tmp_path / "out"
+        args = ["explain", str(src), "--classifier", str(checkpoint), "--out", str(out), "--engine", "ray"]
+        done = subprocess.run(
+            [sys.executable, "-m", "attr_engine", *args, "--address", address.format(port=port)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+            env={**os.environ, "RAY_ADDRESS": ""},
+        )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "cannot reach the Ray cluster" in lines[0] or "needs the Ray client" in lines[0]
+    assert not out.exists()

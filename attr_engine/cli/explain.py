@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -148,6 +149,11 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
         "else a local cluster on this machine. INPUT must be readable at the same path on every node",
     )
     scale.add_argument("--actors", type=int, help="with --engine ray: actors in the pool (default 1)")
+    scale.add_argument(
+        "--verbose",
+        action="store_true",
+        help="with --engine ray: show Ray's own start-up and progress messages (hidden by default)",
+    )
     scale.add_argument(
         "--gpus-per-actor",
         type=float,
@@ -413,6 +419,8 @@ def _check_engine_args(args: argparse.Namespace) -> None:
         for flag in ("address", "actors", "gpus_per_actor"):
             if getattr(args, flag) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} applies to --engine ray only")
+        if args.verbose:
+            raise UsageError("--verbose applies to --engine ray only")
         return
     import importlib.util
 
@@ -467,6 +475,15 @@ def _run_explain(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         raise UsageError(f"input not found: {src}")
     if src.is_dir() and (out.resolve() == src.resolve() or src.resolve() in out.resolve().parents):
         raise UsageError(f"--out {out} lies inside the input folder {src}; its maps would be read as inputs")
+    gpus_per_actor = 0.0
+    if args.engine == "ray":
+        from attr_engine.ray import plan_actors, ray_session
+
+        # Connected before anything is loaded or written: an unreachable cluster, a cluster without the GPUs or
+        # CPUs asked for, or --device cuda without GPUs fails here in one line, with nothing left behind.
+        stack.enter_context(ray_session(args.address, verbose=args.verbose))
+        local_cluster = not (args.address or os.environ.get("RAY_ADDRESS"))
+        gpus_per_actor = plan_actors(args.actors, args.gpus_per_actor, args.device, strict=local_cluster)
     # Resolved once: the canonical name is what the settings record and every check below compares.
     method = resolve_method(args.method or ("aha" if args.aha else "pullback"))
     options = parse_key_values(args.option, "--option")
@@ -559,7 +576,13 @@ def _run_explain(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             # The actors get exactly the batches the local engine forms (chunks of `todo`), so their maps are the
             # local engine's bit for bit; the outputs are written here, by the same code.
             results = explain_items(
-                todo, args, method=method, options=options, config=config, fingerprint=settings["classifier"]
+                todo,
+                args,
+                method=method,
+                options=options,
+                config=config,
+                fingerprint=settings["classifier"],
+                num_gpus=gpus_per_actor,
             )
             for result in results:
                 if result.error == NONFINITE_MAP:
