@@ -16,9 +16,13 @@ entry point is loaded only when its name is asked for (or when a classifier filt
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import importlib
+import inspect
 import math
+import types
+import typing
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,9 +42,11 @@ __all__ = [
     "Explainer",
     "ExplainerSpec",
     "FunctionExplainer",
+    "coerce_option",
     "explain_batch",
     "get_explainer",
     "list_explainers",
+    "option_type",
     "reduce_channels",
     "register_explainer",
     "register_explainer_family",
@@ -115,6 +121,129 @@ def resolve_baselines(baselines: Any, x: torch.Tensor, classifier: nn.Module) ->
     raise ValueError(f"baselines must be a number, a name or a tensor, got {type(baselines).__name__}")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Option types: values from a command line or a config file (YAML scalars and lists) made into what a method takes
+# ---------------------------------------------------------------------------------------------------------------
+
+_UNCHECKED: Any = object()  # "no type known": the value goes to the method's own checks unchanged
+
+
+def option_type(default: Any) -> Any:
+    """The type an option with this default takes, for :func:`coerce_option`.
+
+    A bool default takes exactly a bool (``"maybe"`` or ``1`` for a switch is a mistake, not ``True``); an int,
+    float, str or tuple default takes that type or None (None is how many options say "choose for me", and the
+    method's own check refuses it where it means nothing). A None default (or any other) carries no type.
+    """
+    if isinstance(default, bool):
+        return bool
+    for kind in (int, float, str, tuple):
+        if isinstance(default, kind):
+            return kind | None
+    return _UNCHECKED
+
+
+def _describe(spec: Any) -> str:
+    """``spec`` in words for an error message ("true or false", "an integer", "a list of integers or null")."""
+    if spec is type(None) or spec is None:
+        return "null"
+    if spec is bool:
+        return "true or false"
+    words = {int: "an integer", float: "a number", str: "a string", tuple: "a list", list: "a list", dict: "a mapping"}
+    if spec in words:
+        return words[spec]
+    origin = typing.get_origin(spec)
+    if origin is typing.Union or origin is types.UnionType:
+        parts = [_describe(arg) for arg in typing.get_args(spec) if arg is not type(None)]
+        none = type(None) in typing.get_args(spec)
+        return " or ".join(dict.fromkeys([*parts, *(["null"] if none else [])]))
+    if origin in (tuple, list):
+        args = typing.get_args(spec)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {_plural(args[0])}"
+        return f"a list of {len(args)} {_plural(args[0])}" if len(set(args)) == 1 else "a list"
+    if origin in (dict, collections.abc.Mapping):
+        return "a mapping"
+    if origin is collections.abc.Callable or spec is collections.abc.Callable:
+        return "a function"
+    return f"a {getattr(spec, '__name__', str(spec))}"
+
+
+def _plural(spec: Any) -> str:
+    """The items of a list of ``spec`` in words ("integers", "lists")."""
+    words = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
+    if spec in words:
+        return words[spec]
+    origin = typing.get_origin(spec)
+    if origin is typing.Union or origin is types.UnionType:
+        return " or ".join(dict.fromkeys(_plural(arg) for arg in typing.get_args(spec)))
+    if spec in (tuple, list) or origin in (tuple, list):
+        return "lists"
+    return "values"
+
+
+def _convert(value: Any, spec: Any) -> tuple[bool, Any]:
+    """``(True, value as spec)`` if ``value`` fits ``spec`` (a type or a typing annotation), else ``(False, value)``.
+
+    Lists become tuples where a tuple is expected (YAML and JSON have no tuples), ints become floats where a float
+    is; bools never pass for numbers. Annotations this does not understand (type variables, forward references,
+    protocols) accept everything: the method's own checks then decide.
+    """
+    if spec is _UNCHECKED or spec is Any or spec is inspect.Parameter.empty or isinstance(spec, str | typing.TypeVar):
+        return True, value
+    if spec is None or spec is type(None):
+        return value is None, value
+    if spec is bool:
+        return isinstance(value, bool), value
+    if spec is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if spec is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if spec is str:
+        return isinstance(value, str), value
+    origin = typing.get_origin(spec)
+    if origin is typing.Union or origin is types.UnionType:
+        fits = [_convert(value, arg) for arg in typing.get_args(spec)]
+        # A member the value fits unchanged wins (Union[int, float] keeps 3 an int), else the first that converts.
+        for ok, converted in fits:
+            if ok and type(converted) is type(value):
+                return True, converted
+        return next(((True, c) for ok, c in fits if ok), (False, value))
+    if spec in (tuple, list) or origin in (tuple, list):
+        if not isinstance(value, list | tuple):
+            return False, value
+        args = typing.get_args(spec)
+        if len(args) == 2 and args[1] is Ellipsis:
+            args = (args[0],) * len(value)
+        elif not args:
+            args = (_UNCHECKED,) * len(value)
+        elif len(args) != len(value):
+            return False, value
+        items = [_convert(v, a) for v, a in zip(value, args, strict=True)]
+        if not all(ok for ok, _ in items):
+            return False, value
+        kind = origin or spec
+        return True, kind(c for _, c in items)
+    if spec is dict or origin in (dict, collections.abc.Mapping):
+        return isinstance(value, Mapping), value
+    if origin is collections.abc.Callable or spec is collections.abc.Callable:
+        return callable(value), value
+    if isinstance(spec, type) and not getattr(spec, "_is_protocol", False):
+        return isinstance(value, spec), value
+    return True, value
+
+
+def coerce_option(owner: str, key: str, value: Any, spec: Any) -> Any:
+    """``value`` as the option ``key`` of ``owner`` takes it (see :func:`option_type` and the annotations of
+    Captum's signatures), or a ValueError naming the option: a wrong type fails here, in one line, instead of as a
+    traceback deep inside the method (or, worse, being taken as true)."""
+    ok, converted = _convert(value, spec)
+    if not ok:
+        raise ValueError(f"{owner} option {key!r} must be {_describe(spec)}, got {value!r}")
+    return converted
+
+
 class Explainer:
     """Base class: an attribution method bound to one classifier, called the way Captum's methods are.
 
@@ -128,7 +257,10 @@ class Explainer:
         name: registry name of the method.
         needs_grad: run ``_attribute`` with autograd enabled even inside ``torch.no_grad()`` (a method whose need
             depends on its options overrides :meth:`_needs_grad` instead).
-        options: per-call options and their defaults (Captum's names for the Captum-backed methods).
+        options: per-call options and their defaults (Captum's names for the Captum-backed methods). A value given
+            for an option is coerced to its default's type (:func:`option_type`, :func:`coerce_option`) or refused.
+        option_types: the type an option takes where its default does not say (a None default) or says too little
+            (an annotation such as ``tuple[int, ...]``); by default read from ``options``.
         option_aliases: other names accepted for options (``{alias: name}``).
         per_channel: ``_attribute`` returns (B, C, H, W); ``reduce=None`` hands it out unreduced.
         display_reduce: the channel reduction of the default map (how the method's authors display it).
@@ -153,6 +285,7 @@ class Explainer:
     needs_grad = True
     options: ClassVar[Mapping[str, Any]] = {}
     option_aliases: ClassVar[Mapping[str, str]] = {}
+    option_types: ClassVar[Mapping[str, Any]] = {}
     per_channel = False
     display_reduce: str | None = None
     ranking_reduce: str | None = None
@@ -185,7 +318,10 @@ class Explainer:
             if key not in self.options:
                 known = ", ".join(sorted(self.options)) or "none"
                 raise ValueError(f"{self.name} has no option {key!r}; its options: {known}")
-            merged[key] = value
+            spec = self.option_types.get(key, _UNCHECKED)
+            if spec is _UNCHECKED:
+                spec = option_type(self.options[key])
+            merged[key] = coerce_option(self.name, key, value, spec)
         self._check_options(merged)
         return merged
 

@@ -120,6 +120,29 @@ def test_the_pullback_options_are_per_call_and_construction_defaults() -> None:
         SemanticPullback(clf, method="smooth")
 
 
+def test_option_values_take_their_defaults_type_or_are_refused_by_name() -> None:
+    """Hardening #10: values from --option / a config file (YAML scalars and lists) are coerced to the type of the
+    option's default: ``abs=maybe`` was taken as true, a bool passed for a count, an int for a float stayed an int."""
+    clf = tiny_convnet()
+    x = images(1, 16)
+    with pytest.raises(ValueError, match="saliency option 'abs' must be true or false, got 'maybe'"):
+        get_explainer("saliency", clf, abs="maybe")
+    with pytest.raises(ValueError, match="saliency option 'abs' must be true or false, got 1"):
+        get_explainer("saliency", clf).attribute(x, 0, abs=1)  # per call too
+    with pytest.raises(ValueError, match="integrated-gradients option 'n_steps' must be an integer or null, got True"):
+        get_explainer("integrated-gradients", clf, n_steps=True)
+    with pytest.raises(ValueError, match=r"option 'n_steps' must be an integer or null, got 4\.5"):
+        get_explainer("integrated-gradients", clf).with_options(n_steps=4.5)
+    with pytest.raises(ValueError, match="pullback option 'method' must be a string or null, got 3"):
+        SemanticPullback(clf, method=3)
+    assert get_explainer("saliency", clf, abs=False).defaults["abs"] is False
+    stdevs = get_explainer("smoothgrad", clf, stdevs=1).defaults["stdevs"]  # an int where a float is expected
+    assert stdevs == 1.0 and isinstance(stdevs, float)
+    # None where the method means "choose for me", and a list for a side pair, still pass to its own checks
+    assert get_explainer("integrated-gradients", clf, internal_batch_size=None).defaults["internal_batch_size"] is None
+    assert get_explainer("occlusion", clf, window=[4, 4]).defaults["sliding_window_shapes"] == (3, 4, 4)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # One target resolver
 # ---------------------------------------------------------------------------------------------------------------
