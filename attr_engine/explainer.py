@@ -42,6 +42,7 @@ __all__ = [
     "Explainer",
     "ExplainerSpec",
     "FunctionExplainer",
+    "ImageRangeWarning",
     "coerce_option",
     "explain_batch",
     "get_explainer",
@@ -244,6 +245,42 @@ def coerce_option(owner: str, key: str, value: Any, spec: Any) -> Any:
     return converted
 
 
+class ImageRangeWarning(UserWarning):
+    """Float images with values above 1: explainers take images in [0, 1], not 0..255 pixel values."""
+
+
+# Above this, a float image is not a [0, 1] image: a noise perturbation of one (max-sensitivity adds at most its
+# radius, 0.02) or the ringing of a bicubic resize overshoots 1 by far less; 0..255 pixels or normalised images
+# (max about 2.6) do not.
+RANGE_WARNING_ABOVE = 1.1
+_range_warned = False  # warned once per process: a run over a folder of such images says it once, not per batch
+
+
+def _check_values(x: torch.Tensor) -> None:
+    """Refuse NaN / inf in the images and, the first time in a process, warn when their maximum says they are not
+    in [0, 1]: a [0, 255] image is not an error to the classifier (it normalises whatever it gets), so without a
+    word the maps would explain a saturated image. Both come from one transfer to the host."""
+    global _range_warned
+    if x.numel() == 0:
+        return
+    if _range_warned:
+        finite = bool(torch.isfinite(x).all())
+        peak = 0.0
+    else:
+        both = torch.stack([torch.isfinite(x).all().to(torch.float32), x.detach().amax().float()]).tolist()
+        finite, peak = bool(both[0]), float(both[1])
+    if not finite:
+        raise ValueError("x contains NaN or infinite values")
+    if peak > RANGE_WARNING_ABOVE:
+        _range_warned = True
+        warnings.warn(
+            f"the images reach {peak:g}, but explainers take float images in [0, 1] (divide 0..255 pixels by 255; "
+            "do not normalise them, the classifier does): their maps explain saturated images",
+            ImageRangeWarning,
+            stacklevel=3,
+        )
+
+
 class Explainer:
     """Base class: an attribution method bound to one classifier, called the way Captum's methods are.
 
@@ -422,7 +459,8 @@ class Explainer:
 
         Args:
             inputs: (B, 3, H, W) images in [0, 1], on the classifier's device, any floating dtype (cast to the
-                classifier's).
+                classifier's). Values above 1.1 (0..255 pixels, normalised images) give one
+                :class:`ImageRangeWarning` per process.
             target: class per image (int, sequence or (B,) tensor); ``None`` explains the predicted class.
                 Resolved by :func:`~attr_engine.classifier.resolve_targets`: booleans, floats, a wrong length or
                 a class out of range are a ValueError.
@@ -454,7 +492,8 @@ class Explainer:
                 "(torch.no_grad() is fine)"
             )
         check_device(x, self.classifier)
-        check_tensor(x, "x", ndim=4, finite=True)
+        check_tensor(x, "x", ndim=4)
+        _check_values(x)
         if self.channels is not None and x.shape[1] != self.channels:
             raise ValueError(f"x must be (B, {self.channels}, H, W) RGB images, got shape {tuple(x.shape)}")
         if reduce is _KEEP:
@@ -471,7 +510,8 @@ class Explainer:
         check_range = self.checks_target_range
         if x.shape[0] == 0:  # an empty batch (the tail of a filtered loader): an empty result, the target still checked
             if target is not None:
-                resolve_targets(self.classifier, x, target, check_range=check_range)
+                # Against classifier.num_classes even for methods that check against their logits: there are none.
+                resolve_targets(self.classifier, x, target)
             shape = (0, *x.shape[1:]) if reduce is None and self.per_channel else (0, *x.shape[2:])
             empty = torch.zeros(shape, dtype=out_dtype, device=x.device)
             empty = empty.unsqueeze(1) if keepdim and empty.ndim == 3 else empty
