@@ -322,6 +322,15 @@ def test_a_captum_window_given_as_a_list_runs(checkpoint, tmp_path, capsys):
     assert np.load(tmp_path / "o" / "x.npy").shape == (40, 36)  # the image's (h, w)
 
 
+def test_explain_lists_each_image_once_under_a_link_to_its_folder(tmp_path):
+    """Hardening #12: ``in/loop -> .`` made ``loop`` a class folder holding every image again (two maps each)."""
+    src = tmp_path / "in"
+    _images(src, ["a.png", "b.png"])
+    (src / "loop").symlink_to(".", target_is_directory=True)
+    items, _ = explain_cli.list_inputs(src, "npy")
+    assert [(item.name, item.label) for item in items] == [("a.png", -1), ("b.png", -1)]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Reliability (issue #10): no mixed outputs, settings recorded only with a map, torn files redone, one exit rule
 # ---------------------------------------------------------------------------------------------------------------
