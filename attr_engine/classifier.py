@@ -547,6 +547,8 @@ def resolve_targets(
         raise ValueError(f"target must be an int, ints or an integer tensor, got {target!r}") from None
     if t.is_floating_point() or t.is_complex():
         raise ValueError(f"target must hold integer class indices, got dtype {t.dtype}")
+    # The classes as given, before one int is spread over the batch: an empty batch would leave nothing to check.
+    given = t
     if t.ndim == 0:
         t = t.expand(batch)
     if tuple(t.shape) != (batch,):
@@ -558,8 +560,9 @@ def resolve_targets(
     else:
         num_classes = getattr(classifier, "num_classes", None)
         upper = num_classes if isinstance(num_classes, int) else None
-    if bool((t < 0).any()) or (upper is not None and bool((t >= upper).any())):
-        raise ValueError(f"target classes must lie in [0, {upper if upper is not None else 'K'}), got {t.tolist()}")
+    if bool((given < 0).any()) or (upper is not None and bool((given >= upper).any())):
+        shown = t.tolist() if t.numel() else given.tolist()
+        raise ValueError(f"target classes must lie in [0, {upper if upper is not None else 'K'}), got {shown}")
     return t.long()
 
 

@@ -16,10 +16,14 @@ entry point is loaded only when its name is asked for (or when a classifier filt
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import difflib
 import importlib
+import inspect
 import math
+import types
+import typing
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,11 +44,14 @@ __all__ = [
     "Explainer",
     "ExplainerSpec",
     "FunctionExplainer",
+    "ImageRangeWarning",
     "UnknownExplainerError",
+    "coerce_option",
     "explain_batch",
     "finite_maps",
     "get_explainer",
     "list_explainers",
+    "option_type",
     "reduce_channels",
     "register_explainer",
     "register_explainer_family",
@@ -120,6 +127,165 @@ def resolve_baselines(baselines: Any, x: torch.Tensor, classifier: nn.Module) ->
     raise ValueError(f"baselines must be a number, a name or a tensor, got {type(baselines).__name__}")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Option types: values from a command line or a config file (YAML scalars and lists) made into what a method takes
+# ---------------------------------------------------------------------------------------------------------------
+
+_UNCHECKED: Any = object()  # "no type known": the value goes to the method's own checks unchanged
+
+
+def option_type(default: Any) -> Any:
+    """The type an option with this default takes, for :func:`coerce_option`.
+
+    A bool default takes exactly a bool (``"maybe"`` or ``1`` for a switch is a mistake, not ``True``); an int,
+    float, str or tuple default takes that type or None (None is how many options say "choose for me", and the
+    method's own check refuses it where it means nothing). A None default (or any other) carries no type.
+    """
+    if isinstance(default, bool):
+        return bool
+    for kind in (int, float, str, tuple):
+        if isinstance(default, kind):
+            return kind | None
+    return _UNCHECKED
+
+
+def _describe(spec: Any) -> str:
+    """``spec`` in words for an error message ("true or false", "an integer", "a list of integers or null")."""
+    if spec is type(None) or spec is None:
+        return "null"
+    if spec is bool:
+        return "true or false"
+    words = {int: "an integer", float: "a number", str: "a string", tuple: "a list", list: "a list", dict: "a mapping"}
+    if spec in words:
+        return words[spec]
+    origin = typing.get_origin(spec)
+    if origin is typing.Union or origin is types.UnionType:
+        parts = [_describe(arg) for arg in typing.get_args(spec) if arg is not type(None)]
+        none = type(None) in typing.get_args(spec)
+        return " or ".join(dict.fromkeys([*parts, *(["null"] if none else [])]))
+    if origin in (tuple, list):
+        args = typing.get_args(spec)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {_plural(args[0])}"
+        return f"a list of {len(args)} {_plural(args[0])}" if len(set(args)) == 1 else "a list"
+    if origin in (dict, collections.abc.Mapping):
+        return "a mapping"
+    if origin is collections.abc.Callable or spec is collections.abc.Callable:
+        return "a function"
+    return f"a {getattr(spec, '__name__', str(spec))}"
+
+
+def _plural(spec: Any) -> str:
+    """The items of a list of ``spec`` in words ("integers", "lists")."""
+    words = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
+    if spec in words:
+        return words[spec]
+    origin = typing.get_origin(spec)
+    if origin is typing.Union or origin is types.UnionType:
+        return " or ".join(dict.fromkeys(_plural(arg) for arg in typing.get_args(spec)))
+    if spec in (tuple, list) or origin in (tuple, list):
+        return "lists"
+    return "values"
+
+
+def _convert(value: Any, spec: Any) -> tuple[bool, Any]:
+    """``(True, value as spec)`` if ``value`` fits ``spec`` (a type or a typing annotation), else ``(False, value)``.
+
+    Lists become tuples where a tuple is expected (YAML and JSON have no tuples), ints become floats where a float
+    is; bools never pass for numbers. Annotations this does not understand (type variables, forward references,
+    protocols) accept everything: the method's own checks then decide.
+    """
+    if spec is _UNCHECKED or spec is Any or spec is inspect.Parameter.empty or isinstance(spec, str | typing.TypeVar):
+        return True, value
+    if spec is None or spec is type(None):
+        return value is None, value
+    if spec is bool:
+        return isinstance(value, bool), value
+    if spec is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if spec is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if spec is str:
+        return isinstance(value, str), value
+    origin = typing.get_origin(spec)
+    if origin is typing.Union or origin is types.UnionType:
+        fits = [_convert(value, arg) for arg in typing.get_args(spec)]
+        # A member the value fits unchanged wins (Union[int, float] keeps 3 an int), else the first that converts.
+        for ok, converted in fits:
+            if ok and type(converted) is type(value):
+                return True, converted
+        return next(((True, c) for ok, c in fits if ok), (False, value))
+    if spec in (tuple, list) or origin in (tuple, list):
+        if not isinstance(value, list | tuple):
+            return False, value
+        args = typing.get_args(spec)
+        if len(args) == 2 and args[1] is Ellipsis:
+            args = (args[0],) * len(value)
+        elif not args:
+            args = (_UNCHECKED,) * len(value)
+        elif len(args) != len(value):
+            return False, value
+        items = [_convert(v, a) for v, a in zip(value, args, strict=True)]
+        if not all(ok for ok, _ in items):
+            return False, value
+        kind = origin or spec
+        return True, kind(c for _, c in items)
+    if spec is dict or origin in (dict, collections.abc.Mapping):
+        return isinstance(value, Mapping), value
+    if origin is collections.abc.Callable or spec is collections.abc.Callable:
+        return callable(value), value
+    if isinstance(spec, type) and not getattr(spec, "_is_protocol", False):
+        return isinstance(value, spec), value
+    return True, value
+
+
+def coerce_option(owner: str, key: str, value: Any, spec: Any) -> Any:
+    """``value`` as the option ``key`` of ``owner`` takes it (see :func:`option_type` and the annotations of
+    Captum's signatures), or a ValueError naming the option: a wrong type fails here, in one line, instead of as a
+    traceback deep inside the method (or, worse, being taken as true)."""
+    ok, converted = _convert(value, spec)
+    if not ok:
+        raise ValueError(f"{owner} option {key!r} must be {_describe(spec)}, got {value!r}")
+    return converted
+
+
+class ImageRangeWarning(UserWarning):
+    """Float images with values above 1: explainers take images in [0, 1], not 0..255 pixel values."""
+
+
+# Above this, a float image is not a [0, 1] image: a noise perturbation of one (max-sensitivity adds at most its
+# radius, 0.02) or the ringing of a bicubic resize overshoots 1 by far less; 0..255 pixels or normalised images
+# (max about 2.6) do not.
+RANGE_WARNING_ABOVE = 1.1
+_range_warned = False  # warned once per process: a run over a folder of such images says it once, not per batch
+
+
+def _check_values(x: torch.Tensor) -> None:
+    """Refuse NaN / inf in the images and, the first time in a process, warn when their maximum says they are not
+    in [0, 1]: a [0, 255] image is not an error to the classifier (it normalises whatever it gets), so without a
+    word the maps would explain a saturated image. Both come from one transfer to the host."""
+    global _range_warned
+    if x.numel() == 0:
+        return
+    if _range_warned:
+        finite = bool(torch.isfinite(x).all())
+        peak = 0.0
+    else:
+        both = torch.stack([torch.isfinite(x).all().to(torch.float32), x.detach().amax().float()]).tolist()
+        finite, peak = bool(both[0]), float(both[1])
+    if not finite:
+        raise ValueError("x contains NaN or infinite values")
+    if peak > RANGE_WARNING_ABOVE:
+        _range_warned = True
+        warnings.warn(
+            f"the images reach {peak:g}, but explainers take float images in [0, 1] (divide 0..255 pixels by 255; "
+            "do not normalise them, the classifier does): their maps explain saturated images",
+            ImageRangeWarning,
+            stacklevel=3,
+        )
+
+
 class Explainer:
     """Base class: an attribution method bound to one classifier, called the way Captum's methods are.
 
@@ -133,7 +299,10 @@ class Explainer:
         name: registry name of the method.
         needs_grad: run ``_attribute`` with autograd enabled even inside ``torch.no_grad()`` (a method whose need
             depends on its options overrides :meth:`_needs_grad` instead).
-        options: per-call options and their defaults (Captum's names for the Captum-backed methods).
+        options: per-call options and their defaults (Captum's names for the Captum-backed methods). A value given
+            for an option is coerced to its default's type (:func:`option_type`, :func:`coerce_option`) or refused.
+        option_types: the type an option takes where its default does not say (a None default) or says too little
+            (an annotation such as ``tuple[int, ...]``); by default read from ``options``.
         option_aliases: other names accepted for options (``{alias: name}``).
         per_channel: ``_attribute`` returns (B, C, H, W); ``reduce=None`` hands it out unreduced.
         display_reduce: the channel reduction of the default map (how the method's authors display it).
@@ -158,6 +327,7 @@ class Explainer:
     needs_grad = True
     options: ClassVar[Mapping[str, Any]] = {}
     option_aliases: ClassVar[Mapping[str, str]] = {}
+    option_types: ClassVar[Mapping[str, Any]] = {}
     per_channel = False
     display_reduce: str | None = None
     ranking_reduce: str | None = None
@@ -190,7 +360,10 @@ class Explainer:
             if key not in self.options:
                 known = ", ".join(sorted(self.options)) or "none"
                 raise ValueError(f"{self.name} has no option {key!r}; its options: {known}")
-            merged[key] = value
+            spec = self.option_types.get(key, _UNCHECKED)
+            if spec is _UNCHECKED:
+                spec = option_type(self.options[key])
+            merged[key] = coerce_option(self.name, key, value, spec)
         self._check_options(merged)
         return merged
 
@@ -291,7 +464,8 @@ class Explainer:
 
         Args:
             inputs: (B, 3, H, W) images in [0, 1], on the classifier's device, any floating dtype (cast to the
-                classifier's).
+                classifier's). Values above 1.1 (0..255 pixels, normalised images) give one
+                :class:`ImageRangeWarning` per process.
             target: class per image (int, sequence or (B,) tensor); ``None`` explains the predicted class.
                 Resolved by :func:`~attr_engine.classifier.resolve_targets`: booleans, floats, a wrong length or
                 a class out of range are a ValueError.
@@ -323,7 +497,8 @@ class Explainer:
                 "(torch.no_grad() is fine)"
             )
         check_device(x, self.classifier)
-        check_tensor(x, "x", ndim=4, finite=True)
+        check_tensor(x, "x", ndim=4)
+        _check_values(x)
         if self.channels is not None and x.shape[1] != self.channels:
             raise ValueError(f"x must be (B, {self.channels}, H, W) RGB images, got shape {tuple(x.shape)}")
         if reduce is _KEEP:
@@ -340,7 +515,8 @@ class Explainer:
         check_range = self.checks_target_range
         if x.shape[0] == 0:  # an empty batch (the tail of a filtered loader): an empty result, the target still checked
             if target is not None:
-                resolve_targets(self.classifier, x, target, check_range=check_range)
+                # Against classifier.num_classes even for methods that check against their logits: there are none.
+                resolve_targets(self.classifier, x, target)
             shape = (0, *x.shape[1:]) if reduce is None and self.per_channel else (0, *x.shape[2:])
             empty = torch.zeros(shape, dtype=out_dtype, device=x.device)
             empty = empty.unsqueeze(1) if keepdim and empty.ndim == 3 else empty

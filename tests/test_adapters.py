@@ -205,6 +205,33 @@ def test_any_captum_class_through_the_registry() -> None:
     assert ggc.rebind(twin).method.grad_cam.layer is find_layer(twin, "layer4")
 
 
+def test_captum_options_take_the_signatures_types_and_bad_values_fail_when_built() -> None:
+    """Hardening #10: ``sliding_window_shapes`` could not be given from YAML (a list is not a tuple) and Captum's
+    argument asserts (``n_steps=-3``, a window larger than the image) came out as raw AssertionErrors mid-run."""
+    clf = tiny_resnet()  # 32 px: its input size bounds the window
+    x, y = images(2, 32), torch.tensor([0, 1])
+    occlusion = get_explainer("captum:Occlusion", clf, sliding_window_shapes=[3, 8, 8], strides=[3, 8, 8])
+    assert occlusion.defaults["sliding_window_shapes"] == (3, 8, 8) and occlusion.defaults["strides"] == (3, 8, 8)
+    assert occlusion.attribute(x, y).shape == (2, 32, 32)
+    with pytest.raises(ValueError, match=r"'sliding_window_shapes' must be a list of integers.*got '\(3,8,8\)'"):
+        get_explainer("captum:Occlusion", clf, sliding_window_shapes="(3,8,8)")
+    with pytest.raises(ValueError, match=r"captum:Occlusion rejects sliding_window_shapes=\(3, 64, 8\): .*exceed"):
+        get_explainer("captum:Occlusion", clf, sliding_window_shapes=[3, 64, 8])
+    with pytest.raises(ValueError, match=r"rejects sliding_window_shapes=\(8, 8\): .*3 dimensions"):
+        get_explainer("captum:Occlusion", clf, sliding_window_shapes=[8, 8])
+    with pytest.raises(ValueError, match="captum:IntegratedGradients rejects n_steps=-3: The number of steps"):
+        get_explainer("captum:IntegratedGradients", clf, n_steps=-3)
+    with pytest.raises(ValueError, match="captum:IntegratedGradients rejects n_steps=-3"):  # per call: no assert
+        get_explainer("captum:IntegratedGradients", clf).attribute(x, y, n_steps=-3)
+    with pytest.raises(ValueError, match="captum:Saliency option 'abs' must be true or false, got 'maybe'"):
+        get_explainer("captum:Saliency", clf, abs="maybe")
+    with pytest.raises(ValueError, match="captum:DeepLift option 'multiply_by_inputs' must be true or false"):
+        get_explainer("captum:DeepLift", clf, multiply_by_inputs="no")  # a constructor argument
+    # Valid options still run, and a class whose defaults fail anyway (no baseline distribution) is left alone
+    assert get_explainer("captum:IntegratedGradients", clf, n_steps=3).attribute(x, y).shape == (2, 32, 32)
+    get_explainer("captum:DeepLiftShap", clf, custom_attribution_func=None)
+
+
 def test_explain_command_runs_a_captum_class(tmp_path) -> None:
     from PIL import Image
 

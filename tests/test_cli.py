@@ -271,6 +271,20 @@ def test_bench_engine_table(tmp_path, capsys):
         ("{src} --classifier {ckpt} --method rise --option n_masks=0", "n_masks must be", 2),
         ("{src} --classifier {ckpt} --method rise --option p=2", "p must be in (0, 1)", 2),
         ("{src} --classifier {ckpt} --method occlusion --option window=-3", "window must be", 2),
+        # Hardening #10: option types and Captum's argument checks, before any work (a list is a tuple here)
+        ("{src} --classifier {ckpt} --method saliency --option abs=maybe", "'abs' must be true or false", 2),
+        ("{src} --classifier {ckpt} --method captum:Saliency --option abs=maybe", "'abs' must be true or false", 2),
+        ("{src} --classifier {ckpt} --method captum:IntegratedGradients --option n_steps=-3", "n_steps=-3", 2),
+        (
+            "{src} --classifier {ckpt} --method captum:Occlusion --option sliding_window_shapes=(3,8,8)",
+            "'sliding_window_shapes' must be a list of integers",
+            2,
+        ),
+        (
+            "{src} --classifier {ckpt} --method captum:Occlusion --option sliding_window_shapes=[3,64,64]",
+            "cannot exceed input dimensions",
+            2,
+        ),
         ("{src} --classifier {ckpt} --target 99999", "--target 99999 is not a class", 2),
         ("{tmp}/bad.png --classifier {ckpt}", "cannot read image", 2),
         ("{tmp}/nothing --classifier {ckpt}", "input not found", 2),
@@ -297,6 +311,24 @@ def test_user_mistakes_are_one_line_without_traceback(checkpoint, tmp_path, caps
         assert main(command) == status
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and err[0].startswith("attr-engine explain: error:"), err
+
+
+def test_a_captum_window_given_as_a_list_runs(checkpoint, tmp_path, capsys):
+    """Hardening #10: ``--option sliding_window_shapes=[3,8,8]`` (YAML has no tuples) is Captum's tuple."""
+    _images(tmp_path / "flat", ["x.png"])
+    window = ["--option", "sliding_window_shapes=[3,8,8]", "--option", "strides=[3,8,8]"]
+    assert main(["explain", str(tmp_path / "flat"), "--classifier", str(checkpoint), "--out", str(tmp_path / "o"),
+                 "--no-progress", "--method", "captum:Occlusion", *window]) == 0  # fmt: skip
+    assert np.load(tmp_path / "o" / "x.npy").shape == (40, 36)  # the image's (h, w)
+
+
+def test_explain_lists_each_image_once_under_a_link_to_its_folder(tmp_path):
+    """Hardening #12: ``in/loop -> .`` made ``loop`` a class folder holding every image again (two maps each)."""
+    src = tmp_path / "in"
+    _images(src, ["a.png", "b.png"])
+    (src / "loop").symlink_to(".", target_is_directory=True)
+    items, _ = explain_cli.list_inputs(src, "npy")
+    assert [(item.name, item.label) for item in items] == [("a.png", -1), ("b.png", -1)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -181,3 +181,28 @@ def test_images_next_to_class_folders_are_reported_or_kept(image_tree: Path) -> 
     kept = ImageFolderDataset(image_tree, include_unclassified=True)
     assert [(p.name, label) for p, label in kept.samples[:2]] == [("top1.png", -1), ("top2.png", -1)]
     assert len(kept) == len(ds) + 2 and kept.class_names == ds.class_names
+
+
+def test_linked_directories_are_followed_once_and_a_loop_lists_nothing_twice(image_tree: Path) -> None:
+    """Hardening #12: a directory link to ``.`` was followed one level, so every image was listed (explained) twice;
+    every real directory is entered once now, through its real path before any link."""
+    (image_tree / "loop").symlink_to(".", target_is_directory=True)  # root/loop -> root
+    (image_tree / "cat" / "up").symlink_to("..", target_is_directory=True)  # cat/up -> root
+    (image_tree / "cat" / "nested" / "again").symlink_to("..", target_is_directory=True)  # -> cat
+    (image_tree / "a_dog").symlink_to("dog", target_is_directory=True)  # sorts first; dog keeps its images
+    ds = ImageFolderDataset(image_tree)
+    assert ds.class_names == ("cat", "dog")
+    listed = [(p.relative_to(image_tree).as_posix(), y) for p, y in ds.samples]
+    assert listed == [("cat/a.png", 0), ("cat/nested/b.PNG", 0), ("dog/broken.jpg", 1), ("dog/c.png", 1)]
+    # A flat folder with a link to itself stays flat, each image once.
+    flat = image_tree / "dog"
+    (flat / "self").symlink_to(".", target_is_directory=True)
+    (flat / "broken.jpg").unlink()
+    assert [(p.name, y) for p, y in ImageFolderDataset(flat).samples] == [("c.png", -1)]
+    # A link to a folder outside the tree is still followed (once).
+    outside = image_tree.parent / f"{image_tree.name}-outside"
+    _write_image(outside / "far.png", np.zeros((4, 4, 3), dtype=np.uint8))
+    (image_tree / "cat" / "far").symlink_to(outside, target_is_directory=True)
+    (image_tree / "cat" / "far2").symlink_to(outside, target_is_directory=True)
+    names = [p.relative_to(image_tree).as_posix() for p, _ in ImageFolderDataset(image_tree).samples]
+    assert names.count("cat/far/far.png") + names.count("cat/far2/far.png") == 1 and len(names) == 4

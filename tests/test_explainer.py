@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -120,6 +121,29 @@ def test_the_pullback_options_are_per_call_and_construction_defaults() -> None:
         SemanticPullback(clf, method="smooth")
 
 
+def test_option_values_take_their_defaults_type_or_are_refused_by_name() -> None:
+    """Hardening #10: values from --option / a config file (YAML scalars and lists) are coerced to the type of the
+    option's default: ``abs=maybe`` was taken as true, a bool passed for a count, an int for a float stayed an int."""
+    clf = tiny_convnet()
+    x = images(1, 16)
+    with pytest.raises(ValueError, match="saliency option 'abs' must be true or false, got 'maybe'"):
+        get_explainer("saliency", clf, abs="maybe")
+    with pytest.raises(ValueError, match="saliency option 'abs' must be true or false, got 1"):
+        get_explainer("saliency", clf).attribute(x, 0, abs=1)  # per call too
+    with pytest.raises(ValueError, match="integrated-gradients option 'n_steps' must be an integer or null, got True"):
+        get_explainer("integrated-gradients", clf, n_steps=True)
+    with pytest.raises(ValueError, match=r"option 'n_steps' must be an integer or null, got 4\.5"):
+        get_explainer("integrated-gradients", clf).with_options(n_steps=4.5)
+    with pytest.raises(ValueError, match="pullback option 'method' must be a string or null, got 3"):
+        SemanticPullback(clf, method=3)
+    assert get_explainer("saliency", clf, abs=False).defaults["abs"] is False
+    stdevs = get_explainer("smoothgrad", clf, stdevs=1).defaults["stdevs"]  # an int where a float is expected
+    assert stdevs == 1.0 and isinstance(stdevs, float)
+    # None where the method means "choose for me", and a list for a side pair, still pass to its own checks
+    assert get_explainer("integrated-gradients", clf, internal_batch_size=None).defaults["internal_batch_size"] is None
+    assert get_explainer("occlusion", clf, window=[4, 4]).defaults["sliding_window_shapes"] == (3, 4, 4)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # One target resolver
 # ---------------------------------------------------------------------------------------------------------------
@@ -151,6 +175,38 @@ def test_methods_and_metrics_refuse_a_bad_target_with_the_same_error(target: Any
         with pytest.raises(ValueError, match=message):
             call()
             pytest.fail(f"{who} accepted {target!r}")
+
+
+@pytest.mark.parametrize("name", ["gradient", "pullback-soft"])  # pullback-soft checks against its logits
+@pytest.mark.parametrize("target", [7, torch.tensor(7), -1])
+def test_an_empty_batch_still_refuses_a_class_out_of_range(name: str, target: Any) -> None:
+    """Hardening #11: an int target spread over an empty batch left nothing to check, so 7 passed for 4 classes."""
+    explainer = get_explainer(name, tiny_convnet(num_classes=4))
+    empty = torch.rand(0, 3, 16, 16)
+    with pytest.raises(ValueError, match=r"target classes must lie in \[0, 4\), got (7|-1)"):
+        explainer.attribute(empty, target)
+    with pytest.raises(ValueError, match=r"target classes must lie in \[0, 4\)"):
+        resolve_targets(explainer.classifier, empty, target)
+    assert explainer.attribute(empty, 3).shape == (0, 16, 16)
+
+
+def test_images_above_one_warn_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hardening #11: float images in [0, 255] were explained silently (the classifier normalises anything)."""
+    monkeypatch.setattr(registry, "_range_warned", False)
+    explainer = get_explainer("gradient", tiny_convnet())
+    x = images(2, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # [0, 1] images, and a small noise overshoot, say nothing
+        explainer.attribute(x, 0)
+        explainer.attribute(x + 0.02, 0)
+    with pytest.warns(registry.ImageRangeWarning, match=r"the images reach 2\d\d(\.\d+)?, but explainers take"):
+        explainer.attribute(x * 255, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: not again for the next batch, nor for another method
+        explainer.attribute(x * 255, 0)
+        get_explainer("saliency", explainer.classifier).attribute(x * 255, 0)
+    with pytest.raises(ValueError, match="x contains NaN or infinite values"):
+        explainer.attribute(torch.full((1, 3, 16, 16), float("nan")), 0)
 
 
 def test_the_resolver_takes_the_prediction_from_given_logits_without_a_classifier() -> None:

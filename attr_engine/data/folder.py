@@ -6,12 +6,16 @@ Two layouts are understood:
   have no class: they are left out, as in torchvision's ImageFolder, with one warning saying how many, or kept
   with label ``-1`` when ``include_unclassified=True``, as ``attr-engine explain`` does);
 - ``root/<image>`` with no class subfolders: a flat folder of images to explain, every label ``-1``.
+
+Links to directories are followed, but every real directory is entered once, through its real path first: a link
+to ``.`` or to a parent, or a second link to one folder, lists no image twice.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,6 +32,64 @@ __all__ = ["IMAGE_EXTENSIONS", "ImageFolderDataset"]
 _HIGH_DEPTH_SCALE = {"I;16": 65535.0, "I;16L": 65535.0, "I;16B": 65535.0, "I;16N": 65535.0, "I": 65535.0, "F": 1.0}
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+
+
+def _dir_key(path: Path) -> tuple[int, int] | None:
+    """The identity of the directory ``path`` leads to, links followed (None: it cannot be read)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _is_image(path: Path, exts: tuple[str, ...]) -> bool:
+    return path.suffix.lower() in exts and not path.name.startswith(".") and path.is_file()
+
+
+def _images_in(folder: Path, exts: tuple[str, ...]) -> list[Path]:
+    """The images directly in ``folder``, sorted."""
+    return sorted(p for p in folder.iterdir() if _is_image(p, exts))
+
+
+def _images_under(tops: list[Path], exts: tuple[str, ...], *, claimed: set[tuple[int, int] | None]) -> list[list[Path]]:
+    """The images under each folder of ``tops``, sorted, with every real directory entered once.
+
+    Links to directories are followed, but only into a directory no other path has reached: a link to ``.`` or to
+    a parent (a loop), or a second way into a folder already listed, would otherwise list its images twice (or
+    forever). Real paths come first - every real folder is walked before any link is followed, a class folder
+    that is a link included - so a link never takes a folder's images away from the class they are really in.
+    ``claimed`` holds directories listed elsewhere (the root); it gains every directory entered here.
+    """
+    found: list[list[Path]] = [[] for _ in tops]
+    links: deque[tuple[int, Path]] = deque()  # (top, link to a directory): followed once no real path is left
+    real: deque[tuple[int, Path]] = deque()
+    for i, top in enumerate(tops):
+        (links if top.is_symlink() else real).append((i, top))
+
+    def enter(i: int, folder: Path) -> None:
+        key = _dir_key(folder)
+        if key is None or key in claimed:
+            return
+        claimed.add(key)
+        try:
+            entries = sorted(folder.iterdir())
+        except OSError:  # an unreadable folder holds no images we can read (as rglob skipped it)
+            return
+        for path in entries:
+            try:
+                is_dir = path.is_dir()
+            except OSError:
+                continue
+            if is_dir:
+                (links if path.is_symlink() else real).append((i, path))
+            elif _is_image(path, exts):
+                found[i].append(path)
+
+    while real or links:
+        i, folder = real.popleft() if real else links.popleft()
+        enter(i, folder)
+    return [sorted(paths) for paths in found]
 
 
 class ImageFolderDataset(Dataset):
@@ -79,17 +141,15 @@ class ImageFolderDataset(Dataset):
         self.crop_pct = float(crop_pct)
         exts = tuple(e.lower() if e.startswith(".") else f".{e.lower()}" for e in extensions)
 
-        def images_under(folder: Path, recursive: bool) -> list[Path]:
-            files = folder.rglob("*") if recursive else folder.iterdir()
-            return sorted(p for p in files if p.is_file() and p.suffix.lower() in exts and not p.name.startswith("."))
-
-        class_dirs = sorted(d for d in self.root.iterdir() if d.is_dir() and not d.name.startswith("."))
-        class_dirs = [d for d in class_dirs if images_under(d, recursive=True)]
+        candidates = sorted(d for d in self.root.iterdir() if d.is_dir() and not d.name.startswith("."))
+        # The root is listed (its own images) before any folder under it: a link back to it is no class.
+        per_class = _images_under(candidates, exts, claimed={_dir_key(self.root)})
+        classes = [(d, found) for d, found in zip(candidates, per_class, strict=True) if found]
         self.unclassified: list[Path] = []
-        if class_dirs:
-            self.class_names: tuple[str, ...] = tuple(d.name for d in class_dirs)
-            samples = [(p, label) for label, d in enumerate(class_dirs) for p in images_under(d, recursive=True)]
-            self.unclassified = images_under(self.root, recursive=False)
+        if classes:
+            self.class_names: tuple[str, ...] = tuple(d.name for d, _ in classes)
+            samples = [(p, label) for label, (_, found) in enumerate(classes) for p in found]
+            self.unclassified = _images_in(self.root, exts)
             if include_unclassified:
                 samples = [(p, -1) for p in self.unclassified] + samples
             elif self.unclassified:
@@ -100,7 +160,7 @@ class ImageFolderDataset(Dataset):
                 )
         else:
             self.class_names = ()
-            samples = [(p, -1) for p in images_under(self.root, recursive=False)]
+            samples = [(p, -1) for p in _images_in(self.root, exts)]
         if not samples:
             raise ValueError(f"no images with extensions {exts} found in {self.root}")
 
