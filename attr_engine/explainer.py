@@ -515,8 +515,12 @@ class Explainer:
         check_range = self.checks_target_range
         if x.shape[0] == 0:  # an empty batch (the tail of a filtered loader): an empty result, the target still checked
             if target is not None:
-                # Against classifier.num_classes even for methods that check against their logits: there are none.
-                resolve_targets(self.classifier, x, target)
+                # Against the classifier's classes even for methods that check against their logits: there are
+                # none, so one probe image of this size gives K (classifier.num_classes may probe another size).
+                probe = self._cast_inputs(torch.zeros(1, *x.shape[1:], dtype=x.dtype, device=x.device))
+                with torch.no_grad(), eval_mode(self.classifier):
+                    classes = self.classifier(probe).shape[-1]
+                resolve_targets(self.classifier, x, target, logits=torch.zeros(0, classes, device=x.device))
             shape = (0, *x.shape[1:]) if reduce is None and self.per_channel else (0, *x.shape[2:])
             empty = torch.zeros(shape, dtype=out_dtype, device=x.device)
             empty = empty.unsqueeze(1) if keepdim and empty.ndim == 3 else empty

@@ -43,7 +43,6 @@ loads it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import io
@@ -51,21 +50,17 @@ import logging
 import os
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from attr_engine.jobs import AttributionJob, Item, ItemResult, build_classifier, build_explainer
 from kernels._validate import check_int_at_least
 
 if TYPE_CHECKING:
-    import argparse
-
     import numpy as np
     import ray.data
     import torch
 
-    from attr_engine.cli.explain import Item
-    from attr_engine.imageops import DataConfig
 
 __all__ = [
     "AttributionJob",
@@ -78,93 +73,8 @@ __all__ = [
     "ray_session",
 ]
 
-FRAMES = ("model", "image")
 # Input layouts in the order they are looked for.
 LAYOUTS = ("image", "bytes", "path")
-
-
-@dataclass(frozen=True)
-class AttributionJob:
-    """What every actor needs to rebuild the classifier and the method: plain values, so it pickles in bytes.
-
-    Attributes:
-        method: ``aha``, ``pullback`` (Pullback Ascent), ``pullback-soft`` or any name of
-            :func:`attr_engine.list_explainers`.
-        classifier: a classifier checkpoint (``.safetensors``, from ``train-classifier`` / ``demo``), or ``None``.
-        model: a timm model name: the architecture of ``classifier``, or a model of its own (``pretrained`` for
-            timm's weights; without, random weights, the same on every actor: each seeds torch with ``seed``).
-        num_classes: classes of a ``model`` without checkpoint.
-        img_size: the classifier's input side (default: its own, else 224).
-        crop_pct: the centre crop's fraction (default: timm's for ``model``, 1.0 for a ``classifier`` checkpoint,
-            which was trained on whole frames); ignored when ``preprocess`` is given.
-        preprocess: the exact :class:`~attr_engine.imageops.DataConfig` to cut inputs with (the CLI passes its own).
-        aha: the AHA checkpoint directory (``method="aha"``); ``refine_steps``: its test-time refinement steps.
-        seed: seeds torch before the classifier is built and before the first batch, and AHA's refinement.
-        options: the method's own options (``{"n_masks": 2000}`` for rise).
-        target: ``"pred"`` (the predicted class), ``"label"`` (the batch's ``label`` column) or a class index.
-        frame: ``"model"`` (maps at the classifier's input size) or ``"image"`` (on the original image).
-        scores: add deletion / insertion AUCs of each map (AHA protocol, 21 points, mean-colour reference).
-        return_images: add the picture an overlay is drawn on (``original`` or ``input``, see the module doc).
-        device: ``auto`` (the actor's GPU when Ray gave it one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``.
-        fingerprint: when set, every actor checks that its classifier has this
-            :func:`~attr_engine.aha.model.classifier_fingerprint` (a checkpoint replaced mid-job fails loudly).
-    """
-
-    method: str = "pullback"
-    classifier: str | None = None
-    model: str | None = None
-    pretrained: bool = False
-    num_classes: int | None = None
-    img_size: int | None = None
-    crop_pct: float | None = None
-    preprocess: DataConfig | None = None
-    aha: str | None = None
-    refine_steps: int = 0
-    seed: int = 0
-    options: Mapping[str, Any] = field(default_factory=dict)
-    target: str | int = "pred"
-    frame: str = "model"
-    scores: bool = False
-    return_images: bool = False
-    device: str = "auto"
-    fingerprint: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.method, str) or not self.method.strip():
-            raise ValueError(f"method must be a method name, got {self.method!r}")
-        if self.classifier is None and self.model is None:
-            raise ValueError("no classifier: pass a checkpoint (classifier=...) or a timm model name (model=...)")
-        if self.classifier is not None and not Path(self.classifier).is_file():
-            raise FileNotFoundError(f"classifier checkpoint not found: {self.classifier}")
-        if self.aha is not None and not Path(self.aha).is_dir():
-            raise FileNotFoundError(f"AHA checkpoint directory not found: {self.aha}")
-        if self.frame not in FRAMES:
-            raise ValueError(f"frame must be one of {', '.join(FRAMES)}, got {self.frame!r}")
-        valid_index = isinstance(self.target, int) and not isinstance(self.target, bool) and self.target >= 0
-        if self.target not in ("pred", "label") and not valid_index:
-            raise ValueError(f"target must be 'pred', 'label' or a class index >= 0, got {self.target!r}")
-        check_int_at_least(self.refine_steps, "refine_steps", 0)
-        for name in ("num_classes", "img_size"):
-            if getattr(self, name) is not None:
-                check_int_at_least(getattr(self, name), name, 1)
-        if self.crop_pct is not None and not 0.0 < self.crop_pct <= 1.0:
-            raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct!r}")
-
-
-def build_method(job: AttributionJob, classifier: Any) -> Any:
-    """The job's explainer for ``classifier`` (``attribute(x (B, 3, H, W), target (B,)) -> (B, H, W)``)."""
-    from attr_engine import AHA, get_explainer
-    from attr_engine.explainer import resolve_explainer
-
-    key = resolve_explainer(job.method)
-    kwargs = dict(job.options)
-    if key == "aha":
-        if job.aha is None:
-            raise ValueError("method 'aha' needs aha=DIR, the directory train-aha (or demo) wrote")
-        kwargs.update(aha=AHA.load(job.aha, classifier), refine_steps=job.refine_steps, seed=job.seed)
-    elif job.refine_steps:
-        raise ValueError("refine_steps applies to method 'aha' only")
-    return get_explainer(key, classifier, **kwargs)
 
 
 def _image_from_array(array: np.ndarray) -> Any:
@@ -218,26 +128,16 @@ class BatchAttributor:
     def __init__(self, job: AttributionJob) -> None:
         import torch
 
-        from attr_engine.aha.model import classifier_fingerprint
-        from attr_engine.cli._common import load_classifier_args
         from attr_engine.distributed import local_device
         from attr_engine.imageops import data_config
 
         self.job = job
         self.device = local_device(job.device)
-        spec = argparse.Namespace(  # the CLI's flags, which load_classifier_args reads
-            classifier=job.classifier, model=job.model, pretrained=job.pretrained, num_classes=job.num_classes
-        )
-        self.classifier = load_classifier_args(spec, self.device, img_size=job.img_size, seed=job.seed)
-        if job.fingerprint is not None and classifier_fingerprint(self.classifier) != job.fingerprint:
-            raise ValueError(
-                f"the classifier this actor loaded ({job.classifier or job.model}) is not the one the job was set up "
-                "with (its weights differ): was the checkpoint replaced?"
-            )
+        self.classifier = build_classifier(job, self.device)
         # A checkpoint from train-classifier learnt on whole frames (crop 1.0); a timm model on timm's crop.
         crop_pct = job.crop_pct if job.crop_pct is not None else (1.0 if job.classifier else None)
         self.config = job.preprocess or data_config(self.classifier, img_size=job.img_size, crop_pct=crop_pct)
-        self.explainer = build_method(job, self.classifier)
+        self.explainer = build_explainer(job, self.classifier)
         torch.manual_seed(job.seed)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -563,57 +463,32 @@ def _one_line(err: BaseException) -> str:
     return lines[-1] if lines else type(err).__name__
 
 
-@dataclass
-class ItemResult:
-    """One input's outcome: its map in the output frame and the overlay's picture, or why it could not be read."""
-
-    item: Item
-    map: torch.Tensor | None = None
-    shown: torch.Tensor | None = None
-    target: int = -1
-    error: str | None = None
-
-
 def explain_items(
+    job: AttributionJob,
     items: list[Item],
-    args: argparse.Namespace,
     *,
-    method: str,
-    options: Mapping[str, Any],
-    config: DataConfig,
-    fingerprint: str,
+    actors: int,
     num_gpus: float,
+    address: str | None = None,
+    verbose: bool = False,
 ) -> Iterator[ItemResult]:
-    """Run ``explain``'s job for ``items`` on Ray; yields each input's result once, in the order they finish.
+    """Run ``job`` for ``items`` on Ray; yields each input's :class:`~attr_engine.jobs.ItemResult` once, in the
+    order they finish: the results :func:`attr_engine.jobs.run` yields for the same job, maps bit for bit.
 
-    The dataset is built of blocks of exactly ``--batch-size`` inputs, in order: the batches the local engine
-    would form, so a deterministic method gives the same maps bit for bit (a batch's composition changes the
-    floating-point rounding of a convolution's gradient). ``num_gpus``: GPUs per actor, as :func:`plan_actors`
-    decided them.
+    The dataset is built of blocks of exactly ``job.batch_size`` inputs, in order: the batches the local engine
+    forms, so a deterministic method gives the same maps (a batch's composition changes the floating-point
+    rounding of a convolution's gradient).
+
+    Args:
+        actors: actors in the pool; ``num_gpus``: GPUs per actor, as :func:`plan_actors` decided them.
+        address: the cluster (see :func:`ray_session`; a running session is used as it is).
+        verbose: Ray's own messages.
     """
     import pandas as pd
     import ray
     import ray.data
 
-    job = AttributionJob(
-        method=method,
-        classifier=args.classifier,
-        model=args.model,
-        pretrained=args.pretrained,
-        num_classes=args.num_classes,
-        img_size=args.img_size,
-        preprocess=config,
-        aha=args.aha,
-        refine_steps=args.refine_steps,
-        seed=args.seed,
-        options=dict(options),
-        target=args.target if args.target in ("pred", "label") else int(args.target),
-        frame="model" if args.model_frame else "image",
-        return_images=args.png,
-        device=args.device,
-        fingerprint=fingerprint,
-    )
-    size = args.batch_size
+    size = job.batch_size
     blocks = [
         pd.DataFrame(
             {
@@ -625,16 +500,16 @@ def explain_items(
         )
         for start in range(0, len(items), size)
     ]
-    with ray_session(args.address, verbose=args.verbose):
+    with ray_session(address, verbose=verbose):
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # explain draws its own bar
-        logging.getLogger("ray.data").setLevel(logging.INFO if args.verbose else logging.ERROR)
-        ds = _map_job(ray.data.from_pandas(blocks), job, batch_size=size, concurrency=args.actors, num_gpus=num_gpus,
+        logging.getLogger("ray.data").setLevel(logging.INFO if verbose else logging.ERROR)
+        ds = _map_job(ray.data.from_pandas(blocks), job, batch_size=size, concurrency=actors, num_gpus=num_gpus,
                       num_cpus=1.0)  # fmt: skip
-        yield from _rows(ds, items, job, args.png)
+        yield from _rows(ds, items, job)
 
 
-def _rows(ds: ray.data.Dataset, items: list[Item], job: AttributionJob, png: bool) -> Iterator[ItemResult]:
+def _rows(ds: ray.data.Dataset, items: list[Item], job: AttributionJob) -> Iterator[ItemResult]:
     """The job's output rows as ItemResults, each input once; an actor's failure as one line."""
     import ray
     import torch
@@ -657,7 +532,7 @@ def _rows(ds: ray.data.Dataset, items: list[Item], job: AttributionJob, png: boo
             yield ItemResult(item, error=str(row["error"]))
             continue
         shown = None
-        if png:
+        if job.return_images:
             picture = torch.from_numpy(row["original" if job.frame == "image" else "input"].copy())
             shown = picture.float().div_(255) if picture.dtype == torch.uint8 else picture
         yield ItemResult(item, torch.from_numpy(row["map"].copy()), shown, int(row["target"]))

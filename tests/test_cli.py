@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from attr_engine import jobs
 from attr_engine.aha.persistence import checkpoint_dir
 from attr_engine.checkpoint import load_safetensors, save_safetensors
 from attr_engine.cli import explain as explain_cli
@@ -135,7 +136,7 @@ def test_interrupted_explain_resumes_without_redoing_work(checkpoint, tmp_path, 
     assert len(first) == 2
 
     # Ctrl-C in the middle of the third write of the next run: what was written stays, nothing half-written appears.
-    real_write, calls = explain_cli._write_map, []
+    real_write, calls = jobs._write_map, []
 
     def interrupted(amap, path, fmt, meta):
         calls.append(path)
@@ -143,13 +144,13 @@ def test_interrupted_explain_resumes_without_redoing_work(checkpoint, tmp_path, 
             raise KeyboardInterrupt
         real_write(amap, path, fmt, meta)
 
-    monkeypatch.setattr(explain_cli, "_write_map", interrupted)
+    monkeypatch.setattr(jobs, "_write_map", interrupted)
     assert _explain(checkpoint, src, out) == 130
     assert "interrupted" in capsys.readouterr().err
     assert len(list(out.glob("*.npy"))) == 4
     (out / ".img6.npy.abc123.tmp").write_bytes(b"torn")  # what a killed writer can leave behind: ignored
 
-    monkeypatch.setattr(explain_cli, "_write_map", real_write)
+    monkeypatch.setattr(jobs, "_write_map", real_write)
     assert _explain(checkpoint, src, out) == 0
     maps = {p.name: p.stat().st_mtime_ns for p in out.glob("*.npy")}
     assert sorted(maps) == sorted(Path(n).with_suffix(".npy").name for n in names)
@@ -327,7 +328,7 @@ def test_explain_lists_each_image_once_under_a_link_to_its_folder(tmp_path):
     src = tmp_path / "in"
     _images(src, ["a.png", "b.png"])
     (src / "loop").symlink_to(".", target_is_directory=True)
-    items, _ = explain_cli.list_inputs(src, "npy")
+    items, _ = jobs.list_inputs(src, "npy")
     assert [(item.name, item.label) for item in items] == [("a.png", -1), ("b.png", -1)]
 
 
@@ -345,7 +346,7 @@ def test_interrupted_overwrite_with_another_method_never_mixes_maps(checkpoint, 
     src, out, clean = tmp_path / "images", tmp_path / "maps", tmp_path / "clean"
     names = _images(src, [f"img{i}.png" for i in range(6)])
     assert _explain(checkpoint, src, out) == 0  # gradient maps
-    real_write, calls = explain_cli._write_map, []
+    real_write, calls = jobs._write_map, []
 
     def interrupted(amap, path, fmt, meta):
         calls.append(path)
@@ -353,9 +354,9 @@ def test_interrupted_overwrite_with_another_method_never_mixes_maps(checkpoint, 
             raise KeyboardInterrupt
         real_write(amap, path, fmt, meta)
 
-    monkeypatch.setattr(explain_cli, "_write_map", interrupted)
+    monkeypatch.setattr(jobs, "_write_map", interrupted)
     assert _explain(checkpoint, src, out, "--overwrite", "--method", "saliency") == 130
-    monkeypatch.setattr(explain_cli, "_write_map", real_write)
+    monkeypatch.setattr(jobs, "_write_map", real_write)
     capsys.readouterr()
     assert _explain(checkpoint, src, out, "--method", "saliency") == 0
     summary = _summary(capsys)
@@ -465,7 +466,7 @@ def test_exit_status_rule_a_failure_while_running_is_1(checkpoint, tmp_path, mon
     def full_disk(amap, path, fmt, meta):
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(explain_cli, "_write_map", full_disk)
+    monkeypatch.setattr(jobs, "_write_map", full_disk)
     assert _explain(checkpoint, src, out) == 1
     assert "No space left on device" in capsys.readouterr().err
 

@@ -43,8 +43,14 @@ RUNS: dict[str, list[str]] = {
     "aha-refined-png": ["--method", "aha", "--aha", "{aha}", "--refine-steps", "1", "--png"],
     "smoothgrad-options": ["--method", "smoothgrad", "--option", "nt_samples=3", "--option", "seed=5"],
     "integrated-gradients-target": ["--method", "ig", "--option", "n_steps=4", "--target", "2"],
-    "captum-occlusion": ["--method", "captum:Occlusion", "--option", "sliding_window_shapes=[3,8,8]",
-                         "--option", "strides=[3,8,8]"],  # fmt: skip
+    "captum-occlusion": [
+        "--method",
+        "captum:Occlusion",
+        "--option",
+        "sliding_window_shapes=[3,8,8]",
+        "--option",
+        "strides=[3,8,8]",
+    ],
     "grad-cam": ["--method", "grad-cam"],
     "unknown-method": ["--method", "gradeint"],
     "bad-target": ["--method", "gradient", "--target", "9"],

@@ -224,9 +224,15 @@ def test_corrupted_weights_are_refused_at_load(classifier_file, aha_dir, images,
     assert "holds NaN or infinite values" in _one_error_line(capsys)
 
 
-def test_a_non_finite_map_is_an_error_for_its_image_and_the_exit_status(classifier_file, images, tmp_path, capsys):
+def test_a_non_finite_map_is_an_error_for_its_image_and_the_exit_status(
+    classifier_file, images, tmp_path, capsys, monkeypatch
+):
     """A method that returns NaN for one image: that map is not written, the others are, and the run exits 1."""
+    from attr_engine import explainer as registry
     from attr_engine.explainer import FunctionExplainer, register_explainer
+
+    registry.list_explainers()  # the built-ins first; what this test registers is gone afterwards
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
 
     def nan_for_bright(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         maps = x.mean(1).clone()

@@ -1,6 +1,8 @@
 """The import graph of the packages, read from their source: no module of attr_engine imports itself back through
-others (issue #11: aha/model <-> aha/trainer; the registry and the methods), and kernels imports nothing of
-attr_engine. Imports inside functions count (a lazy import is still a dependency); those under TYPE_CHECKING do not.
+others (issue #11: aha/model <-> aha/trainer; the registry and the methods), kernels imports nothing of
+attr_engine, and the library imports nothing of the command line (issue #22: the floors run kernels <- library <-
+cli). Imports inside functions count (a lazy import is still a dependency); those under TYPE_CHECKING count for
+the layering, not for the run-time circles.
 """
 
 from __future__ import annotations
@@ -23,14 +25,15 @@ def _is_type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The modules of ``known`` that ``name`` imports anywhere outside ``if TYPE_CHECKING:`` blocks."""
+def _imports(name: str, path: Path, known: dict[str, Path], *, type_checking: bool = False) -> set[str]:
+    """The modules of ``known`` that ``name`` imports anywhere outside ``if TYPE_CHECKING:`` blocks (also inside
+    them with ``type_checking``: a type-only import is still an arrow in the layering)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     targets: set[str] = set()
     todo: list[ast.AST] = list(ast.parse(path.read_text()).body)
     while todo:
         node = todo.pop()
-        if _is_type_checking(node):
+        if _is_type_checking(node) and not type_checking:
             todo.extend(getattr(node, "orelse", []))
             continue
         if isinstance(node, ast.Import):
@@ -109,3 +112,38 @@ def test_kernels_import_nothing_of_attr_engine() -> None:
     both = {**_modules("kernels"), **_modules("attr_engine")}
     for name, path in _modules("kernels").items():
         assert not any(m.startswith("attr_engine") for m in _imports(name, path, both)), name
+
+
+def _is_cli(module: str) -> bool:
+    return module == "attr_engine.cli" or module.startswith("attr_engine.cli.")
+
+
+def test_the_library_imports_nothing_of_the_command_line() -> None:
+    """cli/ is the top floor: the job layer, the engines (ray.py) and every other module stand below it, type-only
+    imports included. ``python -m attr_engine`` (``__main__``) is the program's entry, the one way in."""
+    known = _modules("attr_engine")
+    assert any(_is_cli(m) for m in _imports("attr_engine.__main__", known["attr_engine.__main__"], known))
+    for name, path in sorted(known.items()):
+        if _is_cli(name) or name == "attr_engine.__main__":
+            continue
+        upward = sorted(m for m in _imports(name, path, known, type_checking=True) if _is_cli(m))
+        assert not upward, f"{name} imports {upward} from the command line"
+
+
+def test_no_circle_even_through_type_only_imports() -> None:
+    known = _modules("attr_engine")
+    graph = {name: _imports(name, path, known, type_checking=True) for name, path in known.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_checker_sees_a_type_only_import_of_the_command_line(tmp_path) -> None:
+    pkg = tmp_path / "attr_engine"
+    (pkg / "cli").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cli" / "__init__.py").write_text("")
+    (pkg / "engine.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from attr_engine.cli import x\n"
+    )
+    known = _modules("attr_engine", tmp_path)
+    assert _imports("attr_engine.engine", pkg / "engine.py", known) == set()
+    assert _imports("attr_engine.engine", pkg / "engine.py", known, type_checking=True) == {"attr_engine.cli"}

@@ -200,115 +200,51 @@ def add_classifier_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-classes", type=int, help="number of classes of a --model without checkpoint")
 
 
-def _checkpoint_model_name(path: Path) -> str | None:
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return (f.metadata() or {}).get("model_name")
-    except (SafetensorError, OSError, RuntimeError) as err:
-        raise UsageError(f"{path} is not a valid classifier checkpoint (safetensors): {err}") from None
-
-
-def _registry_name(name: str) -> bool:
-    import timm
-
-    return timm.models.parse_model_name(name)[0] is None
-
-
 def load_classifier_args(
     args: argparse.Namespace, device: torch.device, *, img_size: int | None = None, seed: int = 0
 ) -> Classifier:
-    """Build the classifier named by ``--classifier`` / ``--model`` / ``--pretrained`` on ``device``.
+    """Build the classifier named by ``--classifier`` / ``--model`` / ``--pretrained`` on ``device``
+    (:func:`attr_engine.jobs.build_classifier`: seeded with ``seed``, so random weights are the same in every
+    process), with the flags' own one-line errors."""
+    from attr_engine.jobs import AttributionJob, build_classifier
 
-    The build is seeded with ``seed`` (torch's global generator is left as it was): random weights (``--model``
-    alone) are then the same in every process that builds them, the local engine, each Ray actor and a resumed
-    run, so the classifier's fingerprint, and with it the run's settings, can be reproduced.
-    """
-    import torch
-
-    checkpoint = Path(args.classifier) if args.classifier else None
-    name = args.model
-    if checkpoint is None and name is None:
+    if args.classifier is None and args.model is None:
         raise UsageError("no classifier: pass --classifier PATH (a checkpoint) or --model NAME (a timm model)")
-    if checkpoint is not None:
-        if not checkpoint.is_file():
-            raise UsageError(f"classifier checkpoint not found: {checkpoint}")
+    if args.classifier is not None:
+        if not Path(args.classifier).is_file():
+            raise UsageError(f"classifier checkpoint not found: {args.classifier}")
         if args.pretrained:
             raise UsageError("--pretrained and --classifier exclude each other (the checkpoint holds the weights)")
-        saved = _checkpoint_model_name(checkpoint)
-        if name is None and saved is not None and not _registry_name(saved):
-            # A name read from a file may not send the loader to the network or another directory on its own.
-            raise UsageError(
-                f"{checkpoint} names the model {saved!r}, which is not in timm's registry; pass --model to confirm it"
-            )
-        name = name or saved
-        if name is None:
-            raise UsageError(f"{checkpoint} does not record its architecture; name it with --model NAME")
-    if name in SMALL_MODELS:
-        raise UsageError(f"{name!r} is a train-classifier preset; pass the checkpoint it wrote with --classifier")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        clf = open_classifier(
-            name, pretrained=args.pretrained, num_classes=args.num_classes, img_size=img_size, checkpoint=checkpoint
-        )
-    # After the build: a bad name is then the one error line, with no warning before it.
-    if checkpoint is None and not args.pretrained:
-        import warnings
-
-        # Maps of an untrained network explain nothing; say so once instead of silently using random weights.
-        warnings.warn(
-            f"--model {name} without --pretrained or --classifier uses random weights; its maps explain an "
-            "untrained network",
-            stacklevel=2,
-        )
-    return clf.to(device)
-
-
-HUB_HOST = ("huggingface.co", 443)
+    if args.model in SMALL_MODELS:
+        raise UsageError(f"{args.model!r} is a train-classifier preset; pass the checkpoint it wrote with --classifier")
+    job = AttributionJob(
+        classifier=args.classifier, model=args.model, pretrained=args.pretrained, num_classes=args.num_classes,
+        img_size=img_size, seed=seed,
+    )  # fmt: skip
+    try:
+        return build_classifier(job, device)
+    except FileNotFoundError as err:
+        raise UsageError(str(err)) from None
 
 
 def hub_reachable_or_offline(timeout: float = 3.0) -> bool:
-    """Probe the Hugging Face hub once; when it cannot be reached, switch the hub client to offline mode.
+    """:func:`attr_engine.jobs.hub_reachable_or_offline`: probe the hub once, offline mode if it does not answer."""
+    from attr_engine.jobs import hub_reachable_or_offline as probe
 
-    Offline, weights already in the local cache still load and missing ones fail at once with one error, instead
-    of the client's retries (about 45 s of them). Returns whether the hub answered.
-    """
-    import socket
-    import sys
-
-    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
-        return False
-    try:
-        with socket.create_connection(HUB_HOST, timeout=timeout):
-            return True
-    except OSError:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        constants = sys.modules.get("huggingface_hub.constants")
-        if constants is not None:  # already imported: it read the variable at import time
-            constants.HF_HUB_OFFLINE = True  # type: ignore[attr-defined]  # a module's globals are not typed
-        return False
+    return probe(timeout)
 
 
 def open_classifier(name: str, **kwargs: Any) -> Classifier:
     """:func:`~attr_engine.classifier.load_classifier` with download and file failures turned into one-line errors."""
     from attr_engine.classifier import load_classifier
+    from attr_engine.jobs import load_error
 
     if kwargs.get("pretrained"):
         hub_reachable_or_offline()
     try:
         return load_classifier(name, **kwargs)
     except (RuntimeError, OSError) as err:
-        # Pretrained downloads fail as RuntimeError / OSError (no network, no such tag on the hub); the hub's
-        # offline miss is a FileNotFoundError too.
-        if kwargs.get("pretrained") and os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
-            raise UsageError(
-                f"cannot load {name!r} with --pretrained: the Hugging Face hub is unreachable (offline) and its "
-                "weights are not in the local cache"
-            ) from None
-        if isinstance(err, FileNotFoundError):
-            raise UsageError(str(err)) from None
-        raise UsageError(f"cannot load {name!r}: {' '.join(str(err).split())[:300]}") from None
+        raise UsageError(str(load_error(name, bool(kwargs.get("pretrained")), err))) from None
 
 
 def resolve_method(name: str) -> str:
@@ -334,23 +270,17 @@ def build_explainer(
     seed: int = 0,
     options: Mapping[str, Any] | None = None,
 ) -> Any:
-    """An explainer from the registry (``attribute(x, target) -> (B, H, W)``) with a clear error for a bad name.
-
-    ``name`` is resolved to its canonical name first (``"pullback"`` is Pullback Ascent); ``"aha"`` loads the
-    trained explainer from ``aha_dir``.
-    """
-    from attr_engine.explainer import get_explainer
+    """An explainer from the registry (:func:`attr_engine.jobs.make_explainer`) with one-line errors for a bad
+    name or options."""
+    from attr_engine.jobs import make_explainer
 
     key = resolve_method(name)
-    kwargs = dict(options or {})
-    if key == "aha":
-        kwargs.update(aha=load_aha(aha_dir, classifier), refine_steps=refine_steps, seed=seed)
-    elif refine_steps:
-        raise UsageError("--refine-steps applies to --method aha only")
     try:
-        return get_explainer(key, classifier, **kwargs)
+        return make_explainer(key, classifier, aha=aha_dir, refine_steps=refine_steps, seed=seed, options=options)
     except TypeError as err:
         raise UsageError(f"method {name!r} does not take these options: {err}") from None
+    except FileNotFoundError as err:
+        raise UsageError(str(err)) from None
 
 
 def load_aha(path: str | os.PathLike[str] | None, classifier: Classifier) -> Any:

@@ -166,21 +166,15 @@ class _Stages:
 
 def run_demo(args: argparse.Namespace) -> int:
     import torch
-    from tqdm.auto import tqdm
 
-    from attr_engine.aha import AHA, AHAConfig
     from attr_engine.classifier import save_classifier
-    from attr_engine.classifier_training import evaluate_accuracy, small_model_config, train_classifier
+    from attr_engine.classifier_training import evaluate_accuracy
     from attr_engine.data import ShapesDataset
-    from attr_engine.explainer import get_explainer
 
     sizes = _sizes(args)
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
-    compared = dict(COMPARED)
-    if args.methods is not None:
-        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
-        compared = {name: key for name, key in COMPARED.items() if key in wanted}
+    compared = _compared(args)
     if getattr(args, "threads", None) is None:
         # One thread unless --threads says otherwise: the demo's 64 px models gain little from more, the numbers are
         # then the same on any core count, and other jobs' threads cannot stall ours at every barrier (two threads
@@ -199,53 +193,17 @@ def run_demo(args: argparse.Namespace) -> int:
     eval_set = ShapesDataset(sizes.num_eval, img_size=sizes.img_size, seed=args.seed + HELD_OUT_SEED)
     x, labels, masks = eval_set.tensors()
 
-    kind = SMALL_MODELS[args.model]
     stages.start("classifier", f"training the {args.model} classifier ({sizes.epochs} epochs)")
-    epochs_log: list[dict[str, float]] = []
-    with tqdm(total=sizes.epochs, desc="classifier", unit="epoch", disable=args.no_progress,
-              dynamic_ncols=True) as bar:  # fmt: skip
-
-        def on_epoch(stats: dict[str, float]) -> None:
-            epochs_log.append(stats)
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['train_acc']:.3f}")
-
-        classifier = train_classifier(
-            small_model_config(kind, sizes.img_size),
-            train_set,
-            epochs=sizes.epochs,
-            seed=args.seed,
-            device=device,
-            log=on_epoch,
-        )
+    classifier, epochs_log = _demo_classifier(args, sizes, train_set, device)
     save_classifier(classifier, ckpt / "classifier.safetensors")
     accuracy = evaluate_accuracy(classifier, eval_set)
 
     stages.start("aha", f"training AHA ({sizes.aha_steps} steps of {sizes.aha_batch} images)")
-    # CPU budget: 8 sampled fractions and one target per image keep a step near a second; the rest is the default.
-    config = AHAConfig(n_fractions=8, targets="pred", seed=args.seed)
-    aha = AHA(classifier, config)
-    history = aha.fit(
-        train_set,
-        batch_size=sizes.aha_batch,
-        epochs=-(-sizes.aha_steps // (sizes.num_train // sizes.aha_batch)),
-        max_steps=sizes.aha_steps,
-        checkpoint_dir=ckpt / "aha",
-        checkpoint_every=50,
-        progress=not args.no_progress,
-    )
+    aha, history = _demo_aha(args, sizes, classifier, train_set, ckpt / "aha")
 
     n_methods = 2 + len(compared) if sizes.refine_steps else 1 + len(compared)
     stages.start("evaluate", f"explaining and scoring {sizes.num_eval} held-out images with {n_methods} methods")
-    methods: dict[str, Any] = {"AHA": get_explainer("aha", classifier, aha=aha)}
-    if sizes.refine_steps:
-        methods[f"AHA (T={sizes.refine_steps})"] = get_explainer(
-            "aha", classifier, aha=aha, refine_steps=sizes.refine_steps, seed=args.seed
-        )
-    cam_layer, cam_side = gradcam_layer(classifier, sizes.img_size)
-    for name, key in compared.items():
-        extra = {"layer": cam_layer} if key == "grad-cam" and cam_layer is not None else {}
-        methods[name] = get_explainer(key, classifier, **extra)
+    methods, cam_layer, cam_side = _demo_methods(args, sizes, classifier, aha, compared)
     board = run_leaderboard(
         classifier,
         methods,
@@ -260,16 +218,17 @@ def run_demo(args: argparse.Namespace) -> int:
     total = time.perf_counter() - wall
 
     tail = max(1, min(10, len(history["loss"]) // 2))
-    aha_trend = {
-        key: (sum(history[key][:tail]) / tail, sum(history[key][-tail:]) / tail) for key in ("deletion", "insertion")
-    }
     results = {
         "seed": args.seed,
         "model": args.model,
         "sizes": asdict(sizes),
         "classifier_accuracy": accuracy,
         "classifier_epochs": epochs_log,
-        "aha_soft_auc": {k: {"first_steps": a, "last_steps": b} for k, (a, b) in aha_trend.items()},
+        # The soft AUCs AHA trained on, averaged over its first and its last steps.
+        "aha_soft_auc": {
+            key: {"first_steps": sum(history[key][:tail]) / tail, "last_steps": sum(history[key][-tail:]) / tail}
+            for key in ("deletion", "insertion")
+        },
         "gradcam_layer": {"layer": cam_layer or "last block (tokens)", "side": cam_side},
         "stage_seconds": {k: round(v, 2) for k, v in seconds.items()},
         "total_seconds": round(total, 2),
@@ -279,12 +238,97 @@ def run_demo(args: argparse.Namespace) -> int:
     files = write_board(board, out, results=results, labels=row_names)
     _write_report(out, args, sizes, board, results, files)
 
-    setting = f"seed {args.seed}, {args.model}, {sizes.img_size} px, {device}"
+    _print_summary(args, sizes, results, board, files, out)
+    return 0
+
+
+def _demo_aha(
+    args: argparse.Namespace, sizes: DemoSizes, classifier: Any, train_set: Any, checkpoints: Path
+) -> tuple[Any, dict[str, list[float]]]:
+    """AHA trained for the demo's classifier, checkpointed in ``checkpoints``, and its training history."""
+    from attr_engine.aha import AHA, AHAConfig
+
+    # CPU budget: 8 sampled fractions and one target per image keep a step near a second; the rest is the default.
+    config = AHAConfig(n_fractions=8, targets="pred", seed=args.seed)
+    aha = AHA(classifier, config)
+    history = aha.fit(
+        train_set,
+        batch_size=sizes.aha_batch,
+        epochs=-(-sizes.aha_steps // (sizes.num_train // sizes.aha_batch)),
+        max_steps=sizes.aha_steps,
+        checkpoint_dir=checkpoints,
+        checkpoint_every=50,
+        progress=not args.no_progress,
+    )
+    return aha, history
+
+
+def _compared(args: argparse.Namespace) -> dict[str, str]:
+    """The methods compared with AHA: every one of :data:`COMPARED`, or those ``--methods`` names."""
+    if args.methods is None:
+        return dict(COMPARED)
+    wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
+    return {name: key for name, key in COMPARED.items() if key in wanted}
+
+
+def _demo_classifier(
+    args: argparse.Namespace, sizes: DemoSizes, train_set: Any, device: Any
+) -> tuple[Any, list[dict[str, float]]]:
+    """The demo's classifier trained on ``train_set``, with its per-epoch log."""
+    from tqdm.auto import tqdm
+
+    from attr_engine.classifier_training import small_model_config, train_classifier
+
+    epochs_log: list[dict[str, float]] = []
+    with tqdm(total=sizes.epochs, desc="classifier", unit="epoch", disable=args.no_progress,
+              dynamic_ncols=True) as bar:  # fmt: skip
+
+        def on_epoch(stats: dict[str, float]) -> None:
+            epochs_log.append(stats)
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['train_acc']:.3f}")
+
+        classifier = train_classifier(
+            small_model_config(SMALL_MODELS[args.model], sizes.img_size),
+            train_set,
+            epochs=sizes.epochs,
+            seed=args.seed,
+            device=device,
+            log=on_epoch,
+        )
+    return classifier, epochs_log
+
+
+def _demo_methods(
+    args: argparse.Namespace, sizes: DemoSizes, classifier: Any, aha: Any, compared: dict[str, str]
+) -> tuple[dict[str, Any], str | None, int]:
+    """The methods the demo compares (AHA, refined AHA, the others), the Grad-CAM layer and its side."""
+    from attr_engine.explainer import get_explainer
+
+    methods: dict[str, Any] = {"AHA": get_explainer("aha", classifier, aha=aha)}
+    if sizes.refine_steps:
+        methods[f"AHA (T={sizes.refine_steps})"] = get_explainer(
+            "aha", classifier, aha=aha, refine_steps=sizes.refine_steps, seed=args.seed
+        )
+    cam_layer, cam_side = gradcam_layer(classifier, sizes.img_size)
+    for name, key in compared.items():
+        extra = {"layer": cam_layer} if key == "grad-cam" and cam_layer is not None else {}
+        methods[name] = get_explainer(key, classifier, **extra)
+    return methods, cam_layer, cam_side
+
+
+def _print_summary(
+    args: argparse.Namespace, sizes: DemoSizes, results: dict[str, Any], board: Any, files: dict[str, Path], out: Path
+) -> None:
+    ckpt = out / "checkpoints"
+    seconds, total, accuracy = results["stage_seconds"], results["total_seconds"], results["classifier_accuracy"]
+    setting = f"seed {args.seed}, {args.model}, {sizes.img_size} px, {results['machine']['device']}"
     print(f"\nattr-engine demo finished in {_clock(total)} ({setting})")
     print(f"  classifier: {accuracy:.1%} held-out accuracy ({_clock(seconds['classifier'])})")
-    d, i = aha_trend["deletion"], aha_trend["insertion"]
-    print(f"  AHA: {sizes.aha_steps} steps ({_clock(seconds['aha'])}): soft deletion {d[0]:.3f} -> {d[1]:.3f}, "
-          f"soft insertion {i[0]:.3f} -> {i[1]:.3f}")  # fmt: skip
+    trend = results["aha_soft_auc"]
+    d, i = trend["deletion"], trend["insertion"]
+    print(f"  AHA: {sizes.aha_steps} steps ({_clock(seconds['aha'])}): soft deletion {d['first_steps']:.3f} -> "
+          f"{d['last_steps']:.3f}, soft insertion {i['first_steps']:.3f} -> {i['last_steps']:.3f}")  # fmt: skip
     print(f"  {sizes.num_eval} held-out images, scored in {_clock(seconds['evaluate'])}:\n")
     print(plain_table(board))
     print(f"\n  report:      {out / 'report.md'}")
@@ -292,7 +336,6 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"  checkpoints: {ckpt}")
     explain = f"attr-engine explain IMAGES --classifier {ckpt / 'classifier.safetensors'} --aha {ckpt / 'aha'} --png"
     print(f"  next:        {explain}")
-    return 0
 
 
 def _write_report(

@@ -127,7 +127,7 @@ def run_train_classifier(args: argparse.Namespace) -> int:
 
     from attr_engine.checkpoint import save_json
     from attr_engine.classifier import save_classifier
-    from attr_engine.classifier_training import evaluate_accuracy, small_model_config, train_classifier
+    from attr_engine.classifier_training import evaluate_accuracy, train_classifier
 
     for flag in ("epochs", "batch_size", "num_images"):
         _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
@@ -152,31 +152,7 @@ def run_train_classifier(args: argparse.Namespace) -> int:
         # A held-out set from another seed: the accuracy in train.json is measured on images never trained on.
         eval_set = ShapesDataset(256, img_size=img_size, seed=args.seed + HELD_OUT_SEED, with_masks=False)
 
-    if args.model in SMALL_MODELS:
-        if args.pretrained or args.init:
-            raise UsageError(f"{args.model} is trained from scratch; --pretrained / --init need a timm model name")
-        model: Any = small_model_config(SMALL_MODELS[args.model], img_size)
-    elif args.init:
-        if not Path(args.init).is_file():
-            raise UsageError(f"--init checkpoint not found: {args.init}")
-        if args.pretrained:
-            raise UsageError("--init and --pretrained exclude each other")
-        model = open_classifier(args.model, checkpoint=args.init, img_size=img_size)
-        if model.num_classes != num_classes:
-            raise UsageError(
-                f"{args.init} has {model.num_classes} classes but the data has {num_classes}; fine-tuning keeps them"
-            )
-    elif args.pretrained:
-        # timm replaces the pretrained head by a fresh one when num_classes differs from the checkpoint's.
-        model = open_classifier(args.model, pretrained=True, num_classes=num_classes, img_size=img_size)
-    else:
-        from attr_engine.classifier import check_model_name
-
-        try:
-            check_model_name(args.model)  # the name is built into a model only once training starts
-        except ValueError as err:
-            raise UsageError(str(err)) from None
-        model = args.model
+    model = _initial_model(args, img_size, num_classes)
     work_started()
     log: list[dict[str, float]] = []
     start = time.perf_counter()
@@ -220,6 +196,39 @@ def run_train_classifier(args: argparse.Namespace) -> int:
     acc = f", held-out accuracy {summary['eval_accuracy']:.1%}" if "eval_accuracy" in summary else ""
     print(f"classifier {clf.model_name} trained in {seconds:.0f} s{acc}: {target}")
     return 0
+
+
+def _initial_model(args: argparse.Namespace, img_size: int, num_classes: int) -> Any:
+    """What training starts from: a preset's config, a checkpoint to fine-tune, pretrained timm weights, or a timm
+    model name (built when training starts)."""
+    from attr_engine.classifier_training import small_model_config
+
+    if args.model in SMALL_MODELS:
+        if args.pretrained or args.init:
+            raise UsageError(f"{args.model} is trained from scratch; --pretrained / --init need a timm model name")
+        return small_model_config(SMALL_MODELS[args.model], img_size)
+    elif args.init:
+        if not Path(args.init).is_file():
+            raise UsageError(f"--init checkpoint not found: {args.init}")
+        if args.pretrained:
+            raise UsageError("--init and --pretrained exclude each other")
+        model = open_classifier(args.model, checkpoint=args.init, img_size=img_size)
+        if model.num_classes != num_classes:
+            raise UsageError(
+                f"{args.init} has {model.num_classes} classes but the data has {num_classes}; fine-tuning keeps them"
+            )
+        return model
+    elif args.pretrained:
+        # timm replaces the pretrained head by a fresh one when num_classes differs from the checkpoint's.
+        return open_classifier(args.model, pretrained=True, num_classes=num_classes, img_size=img_size)
+    else:
+        from attr_engine.classifier import check_model_name
+
+        try:
+            check_model_name(args.model)  # the name is built into a model only once training starts
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        return args.model
 
 
 def aha_config_from_args(args: argparse.Namespace) -> Any:
