@@ -4,6 +4,7 @@ config with ``dataclasses.replace``, which validates again)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,8 +198,11 @@ class AHAConfig:
     def resolved(self, img_size: int | tuple[int, int]) -> AHAConfig:
         """A copy with the size-dependent defaults filled in for images of side ``img_size`` (or ``(H, W)``).
 
-        The grid range follows :func:`grid_rule` on the short side; an explicit range is clipped to it, since a
-        grid may not exceed ``min(H, W)``. The peak window and the mask blur scale with the short side too.
+        The one place a grid range meets an image size: the grid range follows :func:`grid_rule` on the short side,
+        and an explicit range (the training one and the refinement one) is clipped to it, since a grid may not
+        exceed ``min(H, W)`` (``kernels.region_pool``). The peak window and the mask blur scale with the short side
+        too. On a resolved config only the clipping is left to do, so training and refinement call it again with
+        the shape of the images they are given, which may be smaller than the explainer's ``img_size``.
         """
         height, width = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         side = min(check_int_at_least(height, "img_size", 1), check_int_at_least(width, "img_size", 1))
@@ -213,18 +217,41 @@ class AHAConfig:
             self, grid_range=grid_range, refine_grid_range=refine, peak_kernel=peak_kernel, mask_sigma=mask_sigma
         )
 
+    def loss_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`~attr_engine.aha.loss.soft_auc_loss` this config sets, the same for a
+        training step and a refinement step: ``n_iters``, ``peak_weight``, ``peak_kernel``, ``mask_sigma``,
+        ``score_norm``, ``anchor_span`` and ``amp``.
+
+        What differs between the two is passed beside them: the grid, offset and fractions drawn for the step, the
+        temperature (annealed in training, ``tau_end`` in refinement), the Gumbel noise (off in refinement) and the
+        curves' fixed ends (refinement). An unresolved config gives the loss's own fallbacks (a 3 px peak window,
+        no mask smoothing); :meth:`resolved` fills both in.
+        """
+        return {
+            "n_iters": self.n_iters,
+            "peak_weight": self.peak_weight,
+            "peak_kernel": self.peak_kernel or 3,
+            "mask_sigma": self.mask_sigma or 0.0,
+            "score_norm": self.score_norm,
+            "anchor_span": self.anchor_span,
+            "amp": self.amp,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (tuples become lists)."""
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> AHAConfig:
-        """Inverse of :meth:`to_dict`; unknown keys are an error so a typo never passes silently."""
+    def from_dict(cls, data: Mapping[str, Any]) -> AHAConfig:
+        """Inverse of :meth:`to_dict`, for what JSON or YAML gives back (a checkpoint's ``config.json``, the CLI's
+        config file and ``--aha-option``): lists become tuples here, and nowhere else, so a config read back equals
+        and hashes like the one written. Unknown keys are an error so a typo never passes silently."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"unknown AHAConfig fields: {', '.join(unknown)}")
-        return cls(**data)
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        return cls(**fields)
 
 
 def _int_tuple(values: Any, name: str) -> tuple[int, ...]:

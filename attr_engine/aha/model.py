@@ -204,9 +204,8 @@ class AHA(nn.Module, Explainer):
         gen = _as_generator(generator if generator is not None else cfg.seed)
         reference = reference_image(x, "mean", self.classifier.norm_mean)
         fractions = torch.linspace(0, 1, cfg.refine_fractions, device=x.device)
-        lo, hi = cfg.refine_grid_range  # type: ignore[misc]
-        side = min(x.shape[-2:])  # the grid may not exceed the short side of these images (kernels.region_pool)
-        lo, hi = min(lo, side), min(hi, side)
+        # The grid may not exceed the short side of these images (kernels.region_pool): resolved clips the range.
+        lo, hi = cfg.resolved((x.shape[-2], x.shape[-1])).refine_grid_range  # type: ignore[misc]
         with torch.no_grad():
             hidden = self.decoder.hidden(self.backbone(x), x, target, cfg.refine_depth)
             # The curves' ends (all kept / all removed) do not depend on the map: two passes for all the steps.
@@ -220,9 +219,7 @@ class AHA(nn.Module, Explainer):
                 offset = tuple(torch.rand(2, generator=gen).tolist()) if cfg.random_offset else (0.0, 0.0)
                 result = soft_auc_loss(
                     self.classifier, x, tail(hidden), target, reference, grid=grid, fractions=fractions,
-                    tau=cfg.tau_end, n_iters=cfg.n_iters, offset=offset, noise=0.0, peak_weight=cfg.peak_weight,
-                    peak_kernel=cfg.peak_kernel or 3, mask_sigma=cfg.mask_sigma or 0.0, score_norm=cfg.score_norm,
-                    anchor_span=cfg.anchor_span, amp=cfg.amp, endpoints=endpoints,
+                    tau=cfg.tau_end, offset=offset, noise=0.0, endpoints=endpoints, **cfg.loss_kwargs(),
                 )  # fmt: skip
                 optimizer.zero_grad(set_to_none=True)
                 # The batch mean times B is the sum of the per-image objectives (the peak term is a mean over

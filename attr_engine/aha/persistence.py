@@ -157,8 +157,8 @@ def read_checkpoint(
     :func:`checkpoint_dir`) for ``classifier``.
 
     Returns:
-        ``(directory read, metadata, decoder weights on the classifier's device)``; the metadata's ``config`` has
-        its JSON lists turned back into tuples.
+        ``(directory read, metadata, weights on the classifier's device)``; the metadata's ``config`` is as JSON
+        gives it (:meth:`AHAConfig.from_dict` turns its lists back into tuples).
 
     Raises:
         FileNotFoundError: the directory or one of its files is missing.
@@ -179,9 +179,6 @@ def read_checkpoint(
         raise ValueError(
             f"{src} was trained for another classifier (fingerprint {meta['classifier']}, this one is {expected})"
         )
-    if isinstance(meta.get("config"), dict):
-        # JSON turns tuples into lists; the config's tuple fields are restored so equality and hashing behave.
-        meta["config"] = {k: tuple(v) if isinstance(v, list) else v for k, v in meta["config"].items()}
     return src, meta, state
 
 

@@ -159,9 +159,10 @@ def _train_step(
     cfg = aha.config
     classifier = aha.classifier
     lo, hi = cfg.grid_range  # type: ignore[misc]
-    # The range was resolved for the explainer's img_size; images of another shape must still fit the grid.
-    side = min(x.shape[-2:])
-    grid = min(int(torch.randint(lo, hi + 1, (1,), generator=gen)), side)
+    # The range was resolved for the explainer's img_size; a grid drawn from it is lowered to the largest one these
+    # images allow (their own resolved range), so images of another shape still fit it.
+    _, fits = cfg.resolved((x.shape[-2], x.shape[-1])).grid_range  # type: ignore[misc]
+    grid = min(int(torch.randint(lo, hi + 1, (1,), generator=gen)), fits)
     offset = tuple(torch.rand(2, generator=gen).tolist()) if cfg.random_offset else (0.0, 0.0)
     fractions = _draw_fractions(cfg.n_fractions, cfg.fraction_sampling, gen).to(x.device)
     kind = cfg.references[int(torch.randint(len(cfg.references), (1,), generator=gen))]
@@ -185,10 +186,8 @@ def _train_step(
     reference = reference_image(xs, kind, classifier.norm_mean, blur_kernel=blur_kernel, blur_sigma=blur_sigma)
     maps = model(feats, xs, target)
     result = soft_auc_loss(
-        classifier, xs, maps, target, reference, grid=grid, fractions=fractions, tau=tau, n_iters=cfg.n_iters,
-        offset=offset, noise=cfg.noise, generator=sorter_seed, peak_weight=cfg.peak_weight,
-        peak_kernel=cfg.peak_kernel or 3, mask_sigma=cfg.mask_sigma or 0.0, score_norm=cfg.score_norm,
-        anchor_span=cfg.anchor_span, amp=cfg.amp,
+        classifier, xs, maps, target, reference, grid=grid, fractions=fractions, tau=tau, offset=offset,
+        noise=cfg.noise, generator=sorter_seed, **cfg.loss_kwargs(),
     )  # fmt: skip
     result.loss.backward()
     return {

@@ -232,7 +232,7 @@ def aha_config_from_args(args: argparse.Namespace) -> Any:
         if getattr(args, flag) is not None:
             fields[flag] = getattr(args, flag)
     try:
-        return AHAConfig.from_dict({k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+        return AHAConfig.from_dict(fields)  # JSON / YAML lists become tuples there
     except TypeError as err:
         raise UsageError(f"bad AHA option: {err}") from None
 
