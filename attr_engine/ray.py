@@ -218,7 +218,7 @@ class BatchAttributor:
     def __init__(self, job: AttributionJob) -> None:
         import torch
 
-        from attr_engine.aha.model import classifier_fingerprint
+        from attr_engine.aha.persistence import classifier_fingerprint
         from attr_engine.cli._common import load_classifier_args
         from attr_engine.distributed import local_device
         from attr_engine.imageops import data_config

@@ -239,8 +239,7 @@ def aha_config_from_args(args: argparse.Namespace) -> Any:
 
 def run_train_aha(args: argparse.Namespace) -> int:
     from attr_engine.aha import AHA
-    from attr_engine.aha.persistence import CHECKPOINTS_DIR, CONFIG_FILE
-    from attr_engine.aha.trainer import has_checkpoint
+    from attr_engine.aha.persistence import CHECKPOINTS_DIR, CONFIG_FILE, has_checkpoint
     from attr_engine.distributed import process_rank
 
     for flag in ("epochs", "batch_size", "max_steps", "checkpoint_every", "num_images"):
