@@ -40,14 +40,17 @@ def grid_rule(height: int, width: int | None = None) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class AHAConfig:
-    """Configuration of an AHA explainer (architecture, soft-AUC loss, optimiser).
+    """Configuration of an AHA explainer (architecture, soft-AUC loss, optimiser, test-time refinement).
 
     Sizes that depend on the input resolution (grid range, peak-penalty window, mask blur) default to ``None`` and
-    are derived from the image's short side by :meth:`resolved`. Each default below names its origin: **official**
-    (the official AHA code / paper, methods.md section 1), **scaled** (an official 224 px value scaled with the image
-    side), **measured** (chosen here by the command named), or **project** (a choice of this project, not measured
-    against alternatives). "bench_aha_defaults" stands for ``python -m benches.bench_aha_defaults --img 64 --seed 0``
-    and ``--img 32 --seed 7`` (small ViT and ResNet on the embedded shapes data; table in benches/README.md).
+    are derived from the image's short side by :meth:`resolved`, the one place a grid range is fitted to an image.
+    The loss settings training and refinement share come from :meth:`loss_kwargs`. Each default below names its
+    origin: **official** (the official AHA code / paper, methods.md section 1), **scaled** (an official 224 px value
+    scaled with the image side), **measured** (chosen by the bench named; its command, conditions and tables are in
+    benches/README.md), or **project** (a choice of this project, not measured against alternatives).
+    "bench_aha_defaults" stands for ``python -m benches.bench_aha_defaults`` (benches/README.md, "AHA defaults: grid
+    rule and score scaling"), "bench_aha_refine" for ``python -m benches.bench_aha_refine`` (benches/README.md, "AHA
+    test-time refinement (per image)").
 
     Architecture:
         backbone: ``None`` uses the classifier's own timm backbone; a timm model name uses that model instead
@@ -60,9 +63,8 @@ class AHAConfig:
 
     Loss (methods.md section 1):
         grid_range: inclusive (min, max) grid size drawn per step; ``None`` = :func:`grid_rule` of the short side:
-            7..28 at 224 px (official) and at 64 px, 4..16 at 32 px (measured, bench_aha_defaults: the earlier
-            scaled rule gave 2..8 and 1..4 there and, with z-scored scores, lost on every column; with raw scores
-            the grid made little difference). An explicit range is clipped to the short side.
+            7..28 at 224 px (official) and at 64 px, 4..16 at 32 px (measured, bench_aha_defaults, against the
+            earlier rule that scaled the official cell sizes). An explicit range is clipped to the short side.
         random_offset: shift the grid by a random sub-cell offset each step. Official (grid augmentation).
         tau_start, tau_end: Sinkhorn temperature 1.0 -> 0.3, annealed linearly over training. Official.
         n_iters: Sinkhorn iterations (30); noise: Gumbel noise scale (1). Official.
@@ -75,10 +77,10 @@ class AHAConfig:
             (reflect padding, 2 * ceil(3 sigma) + 1 taps, clamp to [0, 1]); ``None`` = 1.0 at 224 px scaled with
             the image side (official, scaled), 0 = off. Evaluation and the hard metric never smooth.
         score_norm: what enters the sorter: "zscore" (default; each image's region scores standardised over its
-            cells) or "raw" (the scores as pooled, as the paper and official code do). Measured, bench_aha_defaults:
-            z-scoring won on composite, energy pointing game and mask IoU on both classifiers at both sizes (raw
-            lets the map's scale act as a temperature, and an untrained decoder's small maps rank almost
-            uniformly). Under "zscore" the map's overall scale is free: only its ranking is trained.
+            cells) or "raw" (the scores as pooled, as the paper and official code do). Measured, bench_aha_defaults
+            (z-scoring won there). Raw scores let the map's scale act as a temperature, and an untrained decoder's
+            small maps rank almost uniformly. Under "zscore" the map's overall scale is free: only its ranking is
+            trained.
         anchor_span: with "zscore", the span of the rank anchors the z-scores are matched against (4.0: anchors in
             [-2, 2]). From the prototype of issue #13, not tuned here; unused with "raw" (whose anchors span [0, 1],
             official).
@@ -90,25 +92,17 @@ class AHAConfig:
         autocast of the classifier on CUDA). Official (AdamW, linear warm-up then cosine). Not re-tuned here: the
         prototype's lr 1e-3 was not measured against 3e-4 by bench_aha_defaults.
 
-    Test-time refinement (``refine_steps`` T > 0; per image, see :meth:`AHA._refine`). Measured by
-    ``benches/bench_aha_refine.py`` (the bench_aha_defaults recipe, AHA trained 200 steps, 48 held-out images, T=3,
-    side by side with Integrated Gradients at 50 steps; tables in benches/README.md) at 64 px (seed 0) and 32 px
-    (seed 7) on the small ViT and ResNet:
+    Test-time refinement (``refine_steps`` T > 0; per image, see :meth:`AHA._refine`). Measured, bench_aha_refine
+    (T=3 beside Integrated Gradients at 50 steps, small ViT and ResNet at 64 and 32 px):
         refine_depth: decoder layers refined per image: 2 (the head's last 3x3 convolution and the output
-            projection; default) or 1 (the projection only: at its best rate, 3e-2, 0.002-0.008 worse deletion
-            than depth 2 on three of the four).
-        refine_lr: Adam step size, 1e-3: deletion 0.199 -> 0.193 (ViT 64 px), 0.208 -> 0.195 (ResNet 64 px),
-            0.219 -> 0.201 (ViT 32 px), 0.223 -> 0.208 (ResNet 32 px), insertion equal or up to 0.008 higher.
-            3e-3 overshot on three of the four (ViT 64 px deletion 0.207, worse than T=0).
+            projection; default) or 1 (the projection only: even at a much larger rate it deleted worse on three
+            of the four).
+        refine_lr: Adam step size, 1e-3 (3e-3 overshot on three of the four).
         refine_fractions: fractions per refinement curve (6). A step costs 2 x (refine_fractions - 2) classifier
             passes with backward per image (the curves' ends do not depend on the map), so T=3 makes 24 against
-            Integrated Gradients' 50. Against 8 fractions (36 passes), on both classifiers at both sizes:
-            deletion and insertion within 0.001, cost 149 vs 244 ms/image (ResNet 64 px; IG-50 278), 151 vs 193
-            (ViT 64 px; IG-50 241), 38 vs 55 (ResNet 32 px; IG-50 51: 8 fractions would break the bound there),
-            110 vs 132 (ViT 32 px; IG-50 232), one core, each row side by side with its IG in one run.
+            Integrated Gradients' 50; 8 fractions scored alike and cost more than IG-50 on one of the four.
         refine_grid_range: grids drawn per step; ``None`` = the lower half of ``grid_range`` (7..14 at 64 and
-            224 px, 4..8 at 32 px). The sorter's cost grows with the square of the cell count: on the CPU a T=3
-            refinement at 28 x 28 cells cost 494 ms/image against 184 ms at 14 x 14 (ResNet, two cores).
+            224 px, 4..8 at 32 px), because the sorter's cost grows with the square of the cell count.
     """
 
     backbone: str | None = None
