@@ -4,6 +4,7 @@ config with ``dataclasses.replace``, which validates again)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,14 +40,17 @@ def grid_rule(height: int, width: int | None = None) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class AHAConfig:
-    """Configuration of an AHA explainer (architecture, soft-AUC loss, optimiser).
+    """Configuration of an AHA explainer (architecture, soft-AUC loss, optimiser, test-time refinement).
 
     Sizes that depend on the input resolution (grid range, peak-penalty window, mask blur) default to ``None`` and
-    are derived from the image's short side by :meth:`resolved`. Each default below names its origin: **official**
-    (the official AHA code / paper, methods.md section 1), **scaled** (an official 224 px value scaled with the image
-    side), **measured** (chosen here by the command named), or **project** (a choice of this project, not measured
-    against alternatives). "bench_aha_defaults" stands for ``python -m benches.bench_aha_defaults --img 64 --seed 0``
-    and ``--img 32 --seed 7`` (small ViT and ResNet on the embedded shapes data; table in benches/README.md).
+    are derived from the image's short side by :meth:`resolved`, the one place a grid range is fitted to an image.
+    The loss settings training and refinement share come from :meth:`loss_kwargs`. Each default below names its
+    origin: **official** (the official AHA code / paper, methods.md section 1), **scaled** (an official 224 px value
+    scaled with the image side), **measured** (chosen by the bench named; its command, conditions and tables are in
+    benches/README.md), or **project** (a choice of this project, not measured against alternatives).
+    "bench_aha_defaults" stands for ``python -m benches.bench_aha_defaults`` (benches/README.md, "AHA defaults: grid
+    rule and score scaling"), "bench_aha_refine" for ``python -m benches.bench_aha_refine`` (benches/README.md, "AHA
+    test-time refinement (per image)").
 
     Architecture:
         backbone: ``None`` uses the classifier's own timm backbone; a timm model name uses that model instead
@@ -59,9 +63,8 @@ class AHAConfig:
 
     Loss (methods.md section 1):
         grid_range: inclusive (min, max) grid size drawn per step; ``None`` = :func:`grid_rule` of the short side:
-            7..28 at 224 px (official) and at 64 px, 4..16 at 32 px (measured, bench_aha_defaults: the earlier
-            scaled rule gave 2..8 and 1..4 there and, with z-scored scores, lost on every column; with raw scores
-            the grid made little difference). An explicit range is clipped to the short side.
+            7..28 at 224 px (official) and at 64 px, 4..16 at 32 px (measured, bench_aha_defaults, against the
+            earlier rule that scaled the official cell sizes). An explicit range is clipped to the short side.
         random_offset: shift the grid by a random sub-cell offset each step. Official (grid augmentation).
         tau_start, tau_end: Sinkhorn temperature 1.0 -> 0.3, annealed linearly over training. Official.
         n_iters: Sinkhorn iterations (30); noise: Gumbel noise scale (1). Official.
@@ -74,10 +77,10 @@ class AHAConfig:
             (reflect padding, 2 * ceil(3 sigma) + 1 taps, clamp to [0, 1]); ``None`` = 1.0 at 224 px scaled with
             the image side (official, scaled), 0 = off. Evaluation and the hard metric never smooth.
         score_norm: what enters the sorter: "zscore" (default; each image's region scores standardised over its
-            cells) or "raw" (the scores as pooled, as the paper and official code do). Measured, bench_aha_defaults:
-            z-scoring won on composite, energy pointing game and mask IoU on both classifiers at both sizes (raw
-            lets the map's scale act as a temperature, and an untrained decoder's small maps rank almost
-            uniformly). Under "zscore" the map's overall scale is free: only its ranking is trained.
+            cells) or "raw" (the scores as pooled, as the paper and official code do). Measured, bench_aha_defaults
+            (z-scoring won there). Raw scores let the map's scale act as a temperature, and an untrained decoder's
+            small maps rank almost uniformly. Under "zscore" the map's overall scale is free: only its ranking is
+            trained.
         anchor_span: with "zscore", the span of the rank anchors the z-scores are matched against (4.0: anchors in
             [-2, 2]). From the prototype of issue #13, not tuned here; unused with "raw" (whose anchors span [0, 1],
             official).
@@ -89,25 +92,17 @@ class AHAConfig:
         autocast of the classifier on CUDA). Official (AdamW, linear warm-up then cosine). Not re-tuned here: the
         prototype's lr 1e-3 was not measured against 3e-4 by bench_aha_defaults.
 
-    Test-time refinement (``refine_steps`` T > 0; per image, see :meth:`AHA._refine`). Measured by
-    ``benches/bench_aha_refine.py`` (the bench_aha_defaults recipe, AHA trained 200 steps, 48 held-out images, T=3,
-    side by side with Integrated Gradients at 50 steps; tables in benches/README.md) at 64 px (seed 0) and 32 px
-    (seed 7) on the small ViT and ResNet:
+    Test-time refinement (``refine_steps`` T > 0; per image, see :meth:`AHA._refine`). Measured, bench_aha_refine
+    (T=3 beside Integrated Gradients at 50 steps, small ViT and ResNet at 64 and 32 px):
         refine_depth: decoder layers refined per image: 2 (the head's last 3x3 convolution and the output
-            projection; default) or 1 (the projection only: at its best rate, 3e-2, 0.002-0.008 worse deletion
-            than depth 2 on three of the four).
-        refine_lr: Adam step size, 1e-3: deletion 0.199 -> 0.193 (ViT 64 px), 0.208 -> 0.195 (ResNet 64 px),
-            0.219 -> 0.201 (ViT 32 px), 0.223 -> 0.208 (ResNet 32 px), insertion equal or up to 0.008 higher.
-            3e-3 overshot on three of the four (ViT 64 px deletion 0.207, worse than T=0).
+            projection; default) or 1 (the projection only: even at a much larger rate it deleted worse on three
+            of the four).
+        refine_lr: Adam step size, 1e-3 (3e-3 overshot on three of the four).
         refine_fractions: fractions per refinement curve (6). A step costs 2 x (refine_fractions - 2) classifier
             passes with backward per image (the curves' ends do not depend on the map), so T=3 makes 24 against
-            Integrated Gradients' 50. Against 8 fractions (36 passes), on both classifiers at both sizes:
-            deletion and insertion within 0.001, cost 149 vs 244 ms/image (ResNet 64 px; IG-50 278), 151 vs 193
-            (ViT 64 px; IG-50 241), 38 vs 55 (ResNet 32 px; IG-50 51: 8 fractions would break the bound there),
-            110 vs 132 (ViT 32 px; IG-50 232), one core, each row side by side with its IG in one run.
+            Integrated Gradients' 50; 8 fractions scored alike and cost more than IG-50 on one of the four.
         refine_grid_range: grids drawn per step; ``None`` = the lower half of ``grid_range`` (7..14 at 64 and
-            224 px, 4..8 at 32 px). The sorter's cost grows with the square of the cell count: on the CPU a T=3
-            refinement at 28 x 28 cells cost 494 ms/image against 184 ms at 14 x 14 (ResNet, two cores).
+            224 px, 4..8 at 32 px), because the sorter's cost grows with the square of the cell count.
     """
 
     backbone: str | None = None
@@ -197,8 +192,11 @@ class AHAConfig:
     def resolved(self, img_size: int | tuple[int, int]) -> AHAConfig:
         """A copy with the size-dependent defaults filled in for images of side ``img_size`` (or ``(H, W)``).
 
-        The grid range follows :func:`grid_rule` on the short side; an explicit range is clipped to it, since a
-        grid may not exceed ``min(H, W)``. The peak window and the mask blur scale with the short side too.
+        The one place a grid range meets an image size: the grid range follows :func:`grid_rule` on the short side,
+        and an explicit range (the training one and the refinement one) is clipped to it, since a grid may not
+        exceed ``min(H, W)`` (``kernels.region_pool``). The peak window and the mask blur scale with the short side
+        too. On a resolved config only the clipping is left to do, so training and refinement call it again with
+        the shape of the images they are given, which may be smaller than the explainer's ``img_size``.
         """
         height, width = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         side = min(check_int_at_least(height, "img_size", 1), check_int_at_least(width, "img_size", 1))
@@ -213,18 +211,41 @@ class AHAConfig:
             self, grid_range=grid_range, refine_grid_range=refine, peak_kernel=peak_kernel, mask_sigma=mask_sigma
         )
 
+    def loss_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`~attr_engine.aha.loss.soft_auc_loss` this config sets, the same for a
+        training step and a refinement step: ``n_iters``, ``peak_weight``, ``peak_kernel``, ``mask_sigma``,
+        ``score_norm``, ``anchor_span`` and ``amp``.
+
+        What differs between the two is passed beside them: the grid, offset and fractions drawn for the step, the
+        temperature (annealed in training, ``tau_end`` in refinement), the Gumbel noise (off in refinement) and the
+        curves' fixed ends (refinement). An unresolved config gives the loss's own fallbacks (a 3 px peak window,
+        no mask smoothing); :meth:`resolved` fills both in.
+        """
+        return {
+            "n_iters": self.n_iters,
+            "peak_weight": self.peak_weight,
+            "peak_kernel": self.peak_kernel or 3,
+            "mask_sigma": self.mask_sigma or 0.0,
+            "score_norm": self.score_norm,
+            "anchor_span": self.anchor_span,
+            "amp": self.amp,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (tuples become lists)."""
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> AHAConfig:
-        """Inverse of :meth:`to_dict`; unknown keys are an error so a typo never passes silently."""
+    def from_dict(cls, data: Mapping[str, Any]) -> AHAConfig:
+        """Inverse of :meth:`to_dict`, for what JSON or YAML gives back (a checkpoint's ``config.json``, the CLI's
+        config file and ``--aha-option``): lists become tuples here, and nowhere else, so a config read back equals
+        and hashes like the one written. Unknown keys are an error so a typo never passes silently."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"unknown AHAConfig fields: {', '.join(unknown)}")
-        return cls(**data)
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        return cls(**fields)
 
 
 def _int_tuple(values: Any, name: str) -> tuple[int, ...]:

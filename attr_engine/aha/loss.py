@@ -12,11 +12,15 @@ region scores raw; their scale then acts as an inverse temperature (the cost -(s
 2 s_i a_j / tau between rank slots), so the explainer must first learn how sharply to rank, and an untrained
 decoder's small maps rank almost uniformly. The default z-scores each image's scores and ranks them against anchors
 spanning [-2, 2] (``anchor_span`` 4): the sharpness is fixed at the schedule's temperature and training moves only
-the order. Measured by ``benches/bench_aha_defaults.py`` (small ViT and ResNet, 32 and 64 px, 80 steps): z-scoring
-lowered hard deletion by 0.02-0.18 and roughly tripled the ViT's energy pointing game. The soft AUC under z-scores
-falls less in training than under raw scores (the soft ranking cannot be sharpened past the temperature) while the
-hard metric falls more; min-max normalising to [0, 1], tried earlier, was too soft at tau 0.3 to train at all
-(colour test task: soft deletion 0.82 -> 0.76 against 0.83 -> 0.56 raw in 60 steps).
+the order; it won on ``benches/bench_aha_defaults.py`` (benches/README.md, "AHA defaults: grid rule and score
+scaling"). The soft AUC under z-scores falls less in training than under raw scores (the soft ranking cannot be
+sharpened past the temperature) while the hard metric falls more. Min-max normalising to [0, 1], tried earlier, was
+too soft at tau 0.3 to train at all. The figures behind these statements are in benches/README.md, "Measurements
+quoted in the AHA docstrings".
+
+The settings a config fixes for every call (sorter iterations, peak penalty, mask smoothing, score normalisation,
+autocast) come from :meth:`AHAConfig.loss_kwargs <attr_engine.aha.config.AHAConfig.loss_kwargs>`, the same in a
+training step and a refinement step.
 """
 
 from __future__ import annotations

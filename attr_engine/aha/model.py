@@ -14,16 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 from attr_engine.aha.config import AHAConfig
 from attr_engine.aha.loss import soft_auc_loss, standardise, target_probabilities
 from attr_engine.aha.network import Decoder, FeatureBackbone, PerImageTail, build_backbone
-from attr_engine.aha.persistence import (
-    BACKBONE_PREFIX,
-    CONFIG_FILE,
-    FORMAT,
-    WEIGHTS_FILE,
-    check_loadable,
-    classifier_fingerprint,
-    read_checkpoint,
-    write_checkpoint,
-)
+from attr_engine.aha.persistence import WEIGHTS_FILE, load_checkpoint, save_explainer
 from attr_engine.aha.trainer import fit as train_decoder
 from attr_engine.classifier import Classifier
 from attr_engine.explainer import Explainer, register_explainer
@@ -204,9 +195,8 @@ class AHA(nn.Module, Explainer):
         gen = _as_generator(generator if generator is not None else cfg.seed)
         reference = reference_image(x, "mean", self.classifier.norm_mean)
         fractions = torch.linspace(0, 1, cfg.refine_fractions, device=x.device)
-        lo, hi = cfg.refine_grid_range  # type: ignore[misc]
-        side = min(x.shape[-2:])  # the grid may not exceed the short side of these images (kernels.region_pool)
-        lo, hi = min(lo, side), min(hi, side)
+        # The grid may not exceed the short side of these images (kernels.region_pool): resolved clips the range.
+        lo, hi = cfg.resolved((x.shape[-2], x.shape[-1])).refine_grid_range  # type: ignore[misc]
         with torch.no_grad():
             hidden = self.decoder.hidden(self.backbone(x), x, target, cfg.refine_depth)
             # The curves' ends (all kept / all removed) do not depend on the map: two passes for all the steps.
@@ -220,9 +210,7 @@ class AHA(nn.Module, Explainer):
                 offset = tuple(torch.rand(2, generator=gen).tolist()) if cfg.random_offset else (0.0, 0.0)
                 result = soft_auc_loss(
                     self.classifier, x, tail(hidden), target, reference, grid=grid, fractions=fractions,
-                    tau=cfg.tau_end, n_iters=cfg.n_iters, offset=offset, noise=0.0, peak_weight=cfg.peak_weight,
-                    peak_kernel=cfg.peak_kernel or 3, mask_sigma=cfg.mask_sigma or 0.0, score_norm=cfg.score_norm,
-                    anchor_span=cfg.anchor_span, amp=cfg.amp, endpoints=endpoints,
+                    tau=cfg.tau_end, offset=offset, noise=0.0, endpoints=endpoints, **cfg.loss_kwargs(),
                 )  # fmt: skip
                 optimizer.zero_grad(set_to_none=True)
                 # The batch mean times B is the sum of the per-image objectives (the peak term is a mean over
@@ -263,28 +251,15 @@ class AHA(nn.Module, Explainer):
     # Persistence
     # ------------------------------------------------------------------------------------------------------------
 
-    def _metadata(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "classifier": classifier_fingerprint(self.classifier),
-            "num_classes": self.classifier.num_classes,
-            "img_size": self.img_size,
-            "feature_channels": self.feature_channels,
-            "steps_trained": self.steps_trained,
-            "config": self.config.to_dict(),
-        }
-
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the trained decoder to directory ``path``: ``explainer.safetensors`` + ``config.json``.
 
         The classifier's own backbone is not saved (it comes from the classifier when loading); a separate backbone
         (``config.backbone``) is saved with the decoder, so loading never downloads or opens anything else. Each
-        file is written atomically, the weights first, so a crash never leaves a config pointing at missing weights.
+        file is written atomically, the weights first, so a crash never leaves a config pointing at missing weights
+        (:func:`~attr_engine.aha.persistence.save_explainer`).
         """
-        weights = dict(self.decoder.state_dict())
-        if self.config.backbone is not None:
-            weights.update({BACKBONE_PREFIX + k: v for k, v in self.backbone.model.state_dict().items()})
-        return write_checkpoint(path, weights, self._metadata())
+        return save_explainer(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], classifier: Classifier, *, trust_backbone: bool = False) -> AHA:
@@ -294,7 +269,7 @@ class AHA(nn.Module, Explainer):
         :func:`~attr_engine.aha.persistence.checkpoint_dir`). A checkpoint is data: it is rebuilt from its own
         files and ``classifier`` alone. A separate backbone must be a timm registry name whose weights the
         checkpoint holds; every size the files set is checked against the stored weights before anything is
-        allocated (:func:`~attr_engine.aha.persistence.check_loadable`).
+        allocated (:func:`~attr_engine.aha.persistence.load_checkpoint`).
 
         Args:
             trust_backbone: also accept a separate backbone the checkpoint does not hold the weights of (written
@@ -307,29 +282,18 @@ class AHA(nn.Module, Explainer):
                 format, inconsistent with each other, made for a different classifier, or name a backbone the
                 loader would have to fetch from elsewhere.
         """
-        src, meta, state = read_checkpoint(path, classifier)
-        try:
-            config = AHAConfig.from_dict({**_BEFORE_FIELDS, **meta["config"]})
-        except (KeyError, TypeError) as err:
-            raise ValueError(f"{src / CONFIG_FILE}: corrupt AHA config: {err}") from err
-        backbone_state = {k[len(BACKBONE_PREFIX) :]: v for k, v in state.items() if k.startswith(BACKBONE_PREFIX)}
-        decoder_state = {k: v for k, v in state.items() if not k.startswith(BACKBONE_PREFIX)}
-        img_size = check_loadable(src, meta, config, classifier, decoder_state, backbone_state, trust_backbone)
+        ckpt = load_checkpoint(path, classifier, trust_backbone=trust_backbone)
+        config = ckpt.config
         backbone = None
-        if config.backbone is not None and backbone_state:
-            backbone = build_backbone(classifier, config.backbone, config.layers, state=backbone_state)
-        aha = cls(classifier, config, img_size=img_size, backbone=backbone)
+        if config.backbone is not None and ckpt.backbone_state:
+            backbone = build_backbone(classifier, config.backbone, config.layers, state=ckpt.backbone_state)
+        aha = cls(classifier, config, img_size=ckpt.img_size, backbone=backbone)
         try:
-            aha.decoder.load_state_dict(decoder_state, strict=True)
+            aha.decoder.load_state_dict(ckpt.decoder_state, strict=True)
         except RuntimeError as err:
-            raise ValueError(f"{src / WEIGHTS_FILE} does not match the explainer architecture: {err}") from err
-        aha.steps_trained = int(meta.get("steps_trained", 0))
+            raise ValueError(f"{ckpt.src / WEIGHTS_FILE} does not match the explainer architecture: {err}") from err
+        aha.steps_trained = int(ckpt.meta.get("steps_trained", 0))
         return aha
-
-
-# What a checkpoint written before a config field existed was trained with: loading it fills the field with that
-# value, not today's default, so its refinement and a resumed run optimise the objective it was trained on.
-_BEFORE_FIELDS: dict[str, Any] = {"score_norm": "raw", "mask_sigma": 0.0}
 
 
 def standardise_maps(maps: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,20 @@
 """Where an AHA checkpoint lives on disk and how it is written and read: file names, the training-directory layout
-and the checked save / load of the decoder weights with their config.
+(step directories, the pointer, pruning, resuming), the metadata beside the weights and the checked save / load of
+the decoder weights with their config.
 
 Both :mod:`attr_engine.aha.model` (``AHA.save`` / ``AHA.load``) and :mod:`attr_engine.aha.trainer` (training
-checkpoints) use this module; it imports neither of them, so the two do not import each other.
+checkpoints) use this module; it imports neither of them (what it reads of an explainer is the
+:class:`Checkpointable` protocol), so the three never import each other in a circle.
 
-Layout: ``AHA.save(path)`` writes ``path/explainer.safetensors`` (decoder weights) and ``path/config.json``
-(config and provenance). A training output directory ``OUT`` holds whole checkpoints in
-``OUT/checkpoints/step-<8 digits>/`` and an ``OUT/config.json`` whose ``checkpoint`` key points at the current one.
+Layout: ``AHA.save(path)`` writes ``path/explainer.safetensors`` (decoder weights, and a separate backbone's) and
+``path/config.json`` (config and provenance, :func:`checkpoint_metadata`). A training output directory ``OUT``
+holds whole checkpoints in ``OUT/checkpoints/step-<8 digits>/``, each with those two files and
+``trainer.safetensors`` (optimizer, scheduler and RNG state plus the position in the data, pickle-free), and an
+``OUT/config.json`` whose ``checkpoint`` key points at the current one. A step directory is written under a
+temporary name and renamed into place whole, then the pointer is switched atomically, then older step directories
+are removed (the previous one is kept): a kill at any moment leaves the previous checkpoint intact and loadable.
+:func:`checkpoint_dir` follows the pointer; resuming takes the newest complete step directory
+(:func:`latest_training_checkpoint`).
 """
 
 from __future__ import annotations
@@ -14,19 +22,29 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import timm
 import torch
 
-from attr_engine.aha.network import Decoder
-from attr_engine.checkpoint import check_state_shapes, load_json, load_safetensors, save_json, save_safetensors
+from attr_engine.aha.config import AHAConfig
+from attr_engine.aha.network import Decoder, FeatureBackbone
+from attr_engine.checkpoint import (
+    check_state_shapes,
+    fresh_dir,
+    fsync_dir,
+    load_json,
+    load_safetensors,
+    load_state,
+    save_json,
+    save_safetensors,
+    save_state,
+)
 from attr_engine.classifier import MAX_FILE_IMG_SIZE, Classifier, _accepts_img_size, _check_against_weights, file_int
-
-if TYPE_CHECKING:
-    from attr_engine.aha.config import AHAConfig
 
 __all__ = [
     "BACKBONE_PREFIX",
@@ -34,11 +52,21 @@ __all__ = [
     "CONFIG_FILE",
     "FORMAT",
     "POINTER_KEY",
+    "TRAINER_FILE",
     "WEIGHTS_FILE",
+    "Checkpoint",
+    "Checkpointable",
     "check_loadable",
     "checkpoint_dir",
+    "checkpoint_metadata",
     "classifier_fingerprint",
+    "has_checkpoint",
+    "latest_training_checkpoint",
+    "load_checkpoint",
     "read_checkpoint",
+    "read_training_checkpoint",
+    "save_explainer",
+    "save_training_checkpoint",
     "step_dirs",
     "write_checkpoint",
 ]
@@ -46,6 +74,7 @@ __all__ = [
 FORMAT = "attr_engine.aha/1"
 WEIGHTS_FILE = "explainer.safetensors"
 CONFIG_FILE = "config.json"
+TRAINER_FILE = "trainer.safetensors"
 # Training checkpoints: OUT/checkpoints/step-<8 digits>/ each hold a whole checkpoint; OUT/config.json points at one.
 CHECKPOINTS_DIR = "checkpoints"
 POINTER_KEY = "checkpoint"
@@ -63,6 +92,46 @@ _CONFIG_BOUNDS = {
     "peak_kernel": 2 * MAX_FILE_IMG_SIZE,
 }
 _MAX_CHANNELS = 1 << 16
+# What a checkpoint written before a config field existed was trained with: loading it fills the field with that
+# value, not today's default, so its refinement and a resumed run optimise the objective it was trained on.
+_BEFORE_FIELDS: dict[str, Any] = {"score_norm": "raw", "mask_sigma": 0.0}
+
+
+class Checkpointable(Protocol):
+    """What this module reads of an explainer to save it (:class:`attr_engine.aha.model.AHA` has all of it).
+
+    A protocol rather than the class, so the model and the trainer can both hand an explainer here without this
+    module importing either of them.
+    """
+
+    classifier: Classifier
+    config: AHAConfig  # resolved for img_size
+    img_size: int
+    feature_channels: list[int]
+    steps_trained: int
+    decoder: Decoder
+    backbone: FeatureBackbone
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checked checkpoint, read and not yet built (:func:`load_checkpoint`).
+
+    Attributes:
+        src: the directory read (a training directory's current step directory, see :func:`checkpoint_dir`).
+        meta: its ``config.json`` (format, classifier fingerprint, img_size, feature_channels, steps_trained).
+        config: the config it was trained with, as stored (fields it predates filled from ``_BEFORE_FIELDS``).
+        img_size: the image side it was trained at, checked.
+        decoder_state: the decoder's weights on the classifier's device, shapes checked against ``config``.
+        backbone_state: a separate backbone's weights (``config.backbone``), prefix removed; empty otherwise.
+    """
+
+    src: Path
+    meta: dict[str, Any]
+    config: AHAConfig
+    img_size: int
+    decoder_state: dict[str, torch.Tensor]
+    backbone_state: dict[str, torch.Tensor]
 
 
 def step_dirs(path: str | os.PathLike[str]) -> list[Path]:
@@ -133,6 +202,34 @@ def classifier_fingerprint(classifier: Classifier) -> str:
     return digest.hexdigest()[:16]
 
 
+def checkpoint_metadata(explainer: Checkpointable) -> dict[str, Any]:
+    """The ``config.json`` of ``explainer``'s checkpoint: format, classifier fingerprint, sizes, steps and config.
+
+    A training directory's pointer file is this plus :data:`POINTER_KEY`.
+    """
+    return {
+        "format": FORMAT,
+        "classifier": classifier_fingerprint(explainer.classifier),
+        "num_classes": explainer.classifier.num_classes,
+        "img_size": explainer.img_size,
+        "feature_channels": explainer.feature_channels,
+        "steps_trained": explainer.steps_trained,
+        "config": explainer.config.to_dict(),
+    }
+
+
+def save_explainer(explainer: Checkpointable, path: str | os.PathLike[str]) -> Path:
+    """Write ``explainer``'s decoder (and a separate backbone, ``config.backbone``) to directory ``path``.
+
+    The classifier's own backbone is not saved (it comes from the classifier when loading); a separate one is saved
+    under :data:`BACKBONE_PREFIX`, so loading never downloads or opens anything else.
+    """
+    weights = dict(explainer.decoder.state_dict())
+    if explainer.config.backbone is not None:
+        weights.update({BACKBONE_PREFIX + k: v for k, v in explainer.backbone.model.state_dict().items()})
+    return write_checkpoint(path, weights, checkpoint_metadata(explainer))
+
+
 def write_checkpoint(path: str | os.PathLike[str], weights: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> Path:
     """Write decoder ``weights`` and their metadata ``meta`` (format, classifier fingerprint, steps, config) to
     directory ``path``: :data:`WEIGHTS_FILE` + :data:`CONFIG_FILE`.
@@ -157,8 +254,8 @@ def read_checkpoint(
     :func:`checkpoint_dir`) for ``classifier``.
 
     Returns:
-        ``(directory read, metadata, decoder weights on the classifier's device)``; the metadata's ``config`` has
-        its JSON lists turned back into tuples.
+        ``(directory read, metadata, weights on the classifier's device)``; the metadata's ``config`` is as JSON
+        gives it (:meth:`AHAConfig.from_dict` turns its lists back into tuples).
 
     Raises:
         FileNotFoundError: the directory or one of its files is missing.
@@ -179,10 +276,29 @@ def read_checkpoint(
         raise ValueError(
             f"{src} was trained for another classifier (fingerprint {meta['classifier']}, this one is {expected})"
         )
-    if isinstance(meta.get("config"), dict):
-        # JSON turns tuples into lists; the config's tuple fields are restored so equality and hashing behave.
-        meta["config"] = {k: tuple(v) if isinstance(v, list) else v for k, v in meta["config"].items()}
     return src, meta, state
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str], classifier: Classifier, *, trust_backbone: bool = False
+) -> Checkpoint:
+    """Read ``path`` (a saved explainer or a training directory) for ``classifier`` and check, before anything is
+    built, that it can be rebuilt from its own files and ``classifier`` alone (:func:`check_loadable`).
+
+    Raises:
+        FileNotFoundError: the directory or one of its files is missing.
+        ValueError: the files are corrupt, of another format, inconsistent with each other, made for a different
+            classifier, or name a backbone the loader would have to fetch from elsewhere.
+    """
+    src, meta, state = read_checkpoint(path, classifier)
+    try:
+        config = AHAConfig.from_dict({**_BEFORE_FIELDS, **meta["config"]})
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{src / CONFIG_FILE}: corrupt AHA config: {err}") from err
+    backbone_state = {k[len(BACKBONE_PREFIX) :]: v for k, v in state.items() if k.startswith(BACKBONE_PREFIX)}
+    decoder_state = {k: v for k, v in state.items() if not k.startswith(BACKBONE_PREFIX)}
+    img_size = check_loadable(src, meta, config, classifier, decoder_state, backbone_state, trust_backbone)
+    return Checkpoint(src, meta, config, img_size, decoder_state, backbone_state)
 
 
 def _registry_name(name: str) -> bool:
@@ -250,3 +366,118 @@ def check_loadable(
         kwargs = {"img_size": side} if side is not None and _accepts_img_size(name) else {}
         _check_against_weights(name, kwargs, backbone_state, src / WEIGHTS_FILE)
     return img_size
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training directories: whole step directories, the pointer, pruning and resuming
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def save_training_checkpoint(
+    explainer: Checkpointable, out: Path, trainer_state: dict[str, Any], *, step: int, world: int, lineage: list[Path]
+) -> None:
+    """Write a whole step directory of ``explainer`` and ``trainer_state`` under ``out``, rename it into place,
+    switch the pointer, then prune older step directories.
+
+    ``lineage`` lists the step directories this run may keep (updated in place): the new one and the one before it
+    stay, older ones (another run's, or superseded) go once the new one is in place.
+    """
+    root = out / CHECKPOINTS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    tmp = fresh_dir(root, prefix=f".{final.name}.")
+    try:
+        save_state(trainer_state, tmp / TRAINER_FILE, {"step": str(step), "world": str(world)})
+        save_explainer(explainer, tmp)
+        if final.exists():  # the same step saved again (a resumed run that ends where it started): replace it
+            _discard(final, root)
+        os.replace(tmp, final)  # the commit point of the checkpoint: one directory rename
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    # The pointer is switched only now, so it never names a directory that is not whole.
+    save_json({**checkpoint_metadata(explainer), POINTER_KEY: f"{CHECKPOINTS_DIR}/{final.name}"}, out / CONFIG_FILE)
+    for legacy in (out / WEIGHTS_FILE, out / TRAINER_FILE):
+        legacy.unlink(missing_ok=True)  # a flat checkpoint of an older layout; the pointer supersedes it
+    if final not in lineage:
+        lineage.append(final)
+    keep = set(lineage[-2:])  # the new checkpoint and the one before it
+    del lineage[:-2]
+    for d in root.iterdir():
+        if d not in keep and (d.name.startswith(".step-") or _is_step_dir(d)):
+            _discard(d, root)
+
+
+def _is_step_dir(path: Path) -> bool:
+    return path.is_dir() and path.name.startswith("step-") and path.name[5:].isdigit()
+
+
+def _discard(path: Path, root: Path) -> None:
+    # Renamed out of the step namespace first, so a kill during the removal never leaves a half-deleted step-N.
+    trash = root / f".trash-{path.name}-{os.getpid()}"
+    try:
+        os.replace(path, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _resume_candidates(src: Path) -> list[Path]:
+    """Directories that may hold a whole training checkpoint, newest first (an older flat layout last)."""
+    candidates = [d for d in step_dirs(src) if (d / TRAINER_FILE).is_file()]
+    if (src / TRAINER_FILE).is_file() and (src / WEIGHTS_FILE).is_file():
+        candidates.append(src)
+    return candidates
+
+
+def has_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds a training checkpoint that :func:`attr_engine.aha.trainer.fit` could resume from."""
+    return bool(_resume_candidates(Path(path)))
+
+
+def read_training_checkpoint(explainer: Checkpointable, directory: Path) -> tuple[dict[str, torch.Tensor], Any]:
+    """The decoder weights and the trainer state of the training checkpoint in ``directory``, checked to continue
+    ``explainer``'s training: the same classifier, the same (resolved) config, weights that fit its decoder and a
+    trainer state of the same step.
+
+    Raises:
+        FileNotFoundError, ValueError: naming the directory and what is wrong.
+    """
+    loaded = load_checkpoint(directory, explainer.classifier)
+    steps = int(loaded.meta.get("steps_trained", 0))
+    if loaded.config.resolved(loaded.img_size) != explainer.config:
+        raise ValueError(f"{directory} was trained with a different AHAConfig; resume with the same configuration")
+    check_state_shapes(explainer.decoder, loaded.decoder_state, loaded.src / WEIGHTS_FILE, "the explainer architecture")
+    state, meta = load_state(directory / TRAINER_FILE)
+    if int(meta.get("step", -1)) != steps or int(state["step"]) != steps:
+        raise ValueError(
+            f"{directory}: trainer state (step {meta.get('step')}) and weights disagree (torn checkpoint?)"
+        )
+    return loaded.decoder_state, state
+
+
+def latest_training_checkpoint(
+    explainer: Checkpointable, src: Path
+) -> tuple[Path, dict[str, torch.Tensor], Any, list[str]]:
+    """The newest training checkpoint under ``src`` that :func:`read_training_checkpoint` accepts.
+
+    Returns:
+        ``(its directory, decoder weights, trainer state, why each newer one was passed over)``.
+
+    Raises:
+        FileNotFoundError: ``src`` holds no training checkpoint.
+        ValueError: none of them is usable (each reason listed).
+    """
+    candidates = _resume_candidates(src)
+    if not candidates:
+        raise FileNotFoundError(f"no AHA checkpoint to resume in {src}")
+    errors: list[str] = []
+    for d in candidates:
+        try:
+            decoder_state, state = read_training_checkpoint(explainer, d)
+        except (ValueError, FileNotFoundError) as err:
+            errors.append(str(err))
+            continue
+        return d, decoder_state, state, errors
+    raise ValueError(f"no usable AHA checkpoint to resume in {src}: {'; '.join(errors)}")

@@ -10,23 +10,19 @@ exists, each rank takes every world-th example of the epoch's permutation, ``bat
 the decoder is wrapped in DistributedDataParallel (the classifier and backbone are frozen). Rank 0 writes the
 checkpoints.
 
-Checkpoint directory layout: each checkpoint is a directory ``OUT/checkpoints/step-<8 digits>/`` holding
-``explainer.safetensors`` (decoder weights), ``config.json`` (AHAConfig and provenance) and ``trainer.safetensors``
-(optimizer, scheduler and RNG state plus the position in the data, pickle-free). It is written under a temporary
-name and renamed into place whole, then ``OUT/config.json`` (the same config plus a pointer to that directory) is
-switched atomically, then older step directories are removed (the previous one is kept). A kill at any moment
-therefore leaves the previous checkpoint intact and loadable: :meth:`AHA.load` follows the pointer, and resuming
-takes the newest complete step directory (stale temporary directories are removed).
+Checkpoints: what goes into one (optimizer, scheduler and generator state, the step) is decided here; the directory
+layout, the pointer and the choice of a checkpoint to resume are :mod:`attr_engine.aha.persistence`'s. This module
+trains whatever has the :class:`Trainee` attributes (:class:`attr_engine.aha.model.AHA` does) and does not import
+the model, which imports it.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,19 +32,21 @@ from tqdm.auto import tqdm
 
 from attr_engine._training import collate_images_labels, warmup_cosine
 from attr_engine.aha.loss import soft_auc_loss
-from attr_engine.aha.persistence import CHECKPOINTS_DIR, CONFIG_FILE, POINTER_KEY, WEIGHTS_FILE, step_dirs
-from attr_engine.checkpoint import fresh_dir, fsync_dir, load_state, save_json, save_state
+from attr_engine.aha.persistence import Checkpointable, latest_training_checkpoint, save_training_checkpoint
 from attr_engine.imageops import reference_image, scaled_blur
 from kernels._validate import check_int_at_least
 
-if TYPE_CHECKING:  # AHA imports this module to train itself
-    from attr_engine.aha.model import AHA
 
-TRAINER_FILE = "trainer.safetensors"
+class Trainee(Checkpointable, Protocol):
+    """What :func:`fit` trains: an explainer's frozen classifier and backbone, its decoder (trained in place, with
+    ``steps_trained`` counted up) and its resolved config, on the classifier's device."""
+
+    @property
+    def device(self) -> torch.device: ...
 
 
 def fit(
-    aha: AHA,
+    aha: Trainee,
     data: Dataset | DataLoader,
     *,
     epochs: int = 1,
@@ -145,7 +143,7 @@ def fit(
 
 
 def _train_step(
-    aha: AHA,
+    aha: Trainee,
     model: torch.nn.Module,
     x: torch.Tensor,
     labels: torch.Tensor,
@@ -159,9 +157,10 @@ def _train_step(
     cfg = aha.config
     classifier = aha.classifier
     lo, hi = cfg.grid_range  # type: ignore[misc]
-    # The range was resolved for the explainer's img_size; images of another shape must still fit the grid.
-    side = min(x.shape[-2:])
-    grid = min(int(torch.randint(lo, hi + 1, (1,), generator=gen)), side)
+    # The range was resolved for the explainer's img_size; a grid drawn from it is lowered to the largest one these
+    # images allow (their own resolved range), so images of another shape still fit it.
+    _, fits = cfg.resolved((x.shape[-2], x.shape[-1])).grid_range  # type: ignore[misc]
+    grid = min(int(torch.randint(lo, hi + 1, (1,), generator=gen)), fits)
     offset = tuple(torch.rand(2, generator=gen).tolist()) if cfg.random_offset else (0.0, 0.0)
     fractions = _draw_fractions(cfg.n_fractions, cfg.fraction_sampling, gen).to(x.device)
     kind = cfg.references[int(torch.randint(len(cfg.references), (1,), generator=gen))]
@@ -185,10 +184,8 @@ def _train_step(
     reference = reference_image(xs, kind, classifier.norm_mean, blur_kernel=blur_kernel, blur_sigma=blur_sigma)
     maps = model(feats, xs, target)
     result = soft_auc_loss(
-        classifier, xs, maps, target, reference, grid=grid, fractions=fractions, tau=tau, n_iters=cfg.n_iters,
-        offset=offset, noise=cfg.noise, generator=sorter_seed, peak_weight=cfg.peak_weight,
-        peak_kernel=cfg.peak_kernel or 3, mask_sigma=cfg.mask_sigma or 0.0, score_norm=cfg.score_norm,
-        anchor_span=cfg.anchor_span, amp=cfg.amp,
+        classifier, xs, maps, target, reference, grid=grid, fractions=fractions, tau=tau, offset=offset,
+        noise=cfg.noise, generator=sorter_seed, **cfg.loss_kwargs(),
     )  # fmt: skip
     result.loss.backward()
     return {
@@ -263,7 +260,7 @@ def _init_distributed(device: torch.device) -> tuple[int, int]:
 
 
 def _save_checkpoint(
-    aha: AHA,
+    aha: Trainee,
     out: Path,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -273,101 +270,28 @@ def _save_checkpoint(
     world: int,
     lineage: list[Path],
 ) -> None:
-    """Write a whole checkpoint directory, rename it into place, switch the pointer, then prune older ones."""
+    """Checkpoint the explainer with the trainer state it resumes from (see :func:`save_training_checkpoint`)."""
     if rank != 0:  # the ranks hold identical weights, optimizer state and generator state
         return
-    root = out / CHECKPOINTS_DIR
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:08d}"
-    tmp = fresh_dir(root, prefix=f".{final.name}.")
-    try:
-        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": gen.get_state(),
-                 "step": step}  # fmt: skip
-        save_state(state, tmp / TRAINER_FILE, {"step": str(step), "world": str(world)})
-        aha.save(tmp)
-        if final.exists():  # the same step saved again (a resumed run that ends where it started): replace it
-            _discard(final, root)
-        os.replace(tmp, final)  # the commit point of the checkpoint: one directory rename
-        fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # The pointer is switched only now, so it never names a directory that is not whole.
-    save_json({**aha._metadata(), POINTER_KEY: f"{CHECKPOINTS_DIR}/{final.name}"}, out / CONFIG_FILE)
-    for legacy in (out / WEIGHTS_FILE, out / TRAINER_FILE):
-        legacy.unlink(missing_ok=True)  # a flat checkpoint of an older layout; the pointer supersedes it
-    if final not in lineage:
-        lineage.append(final)
-    keep = set(lineage[-2:])  # the new checkpoint and the one before it
-    del lineage[:-2]
-    for d in root.iterdir():
-        if d not in keep and (d.name.startswith(".step-") or _is_step_dir(d)):
-            _discard(d, root)
-
-
-def _is_step_dir(path: Path) -> bool:
-    return path.is_dir() and path.name.startswith("step-") and path.name[5:].isdigit()
-
-
-def _discard(path: Path, root: Path) -> None:
-    # Renamed out of the step namespace first, so a kill during the removal never leaves a half-deleted step-N.
-    trash = root / f".trash-{path.name}-{os.getpid()}"
-    try:
-        os.replace(path, trash)
-    except OSError:
-        return
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def _resume_candidates(src: Path) -> list[Path]:
-    """Directories that may hold a whole training checkpoint, newest first (an older flat layout last)."""
-    candidates = [d for d in step_dirs(src) if (d / TRAINER_FILE).is_file()]
-    if (src / TRAINER_FILE).is_file() and (src / WEIGHTS_FILE).is_file():
-        candidates.append(src)
-    return candidates
-
-
-def has_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` holds a training checkpoint that :func:`fit` could resume from."""
-    return bool(_resume_candidates(Path(path)))
+    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": gen.get_state(),
+             "step": step}  # fmt: skip
+    save_training_checkpoint(aha, out, state, step=step, world=world, lineage=lineage)
 
 
 def _load_trainer_state(
-    aha: AHA,
+    aha: Trainee,
     src: Path,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     gen: torch.Generator,
 ) -> tuple[int, Path]:
     """Load the newest complete checkpoint under ``src``; returns the step it ends at and its directory."""
-    candidates = _resume_candidates(src)
-    if not candidates:
-        raise FileNotFoundError(f"no AHA checkpoint to resume in {src}")
-    errors: list[str] = []
-    for d in candidates:
-        try:
-            loaded = _read_checkpoint(aha, d)
-        except (ValueError, FileNotFoundError) as err:
-            errors.append(str(err))
-            continue
-        if errors:
-            warnings.warn(f"resuming from {d}: newer checkpoint(s) unusable: {'; '.join(errors)}", stacklevel=3)
-        decoder_state, state = loaded
-        aha.decoder.load_state_dict(decoder_state)
-        aha.steps_trained = int(state["step"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        gen.set_state(state["rng"].contiguous())
-        return int(state["step"]), d
-    raise ValueError(f"no usable AHA checkpoint to resume in {src}: {'; '.join(errors)}")
-
-
-def _read_checkpoint(aha: AHA, d: Path) -> tuple[dict[str, torch.Tensor], Any]:
-    # AHA.load of a step directory reads that directory itself (it holds weights and config side by side).
-    loaded = type(aha).load(d, aha.classifier)
-    if loaded.config != aha.config:
-        raise ValueError(f"{d} was trained with a different AHAConfig; resume with the same configuration")
-    state, meta = load_state(d / TRAINER_FILE)
-    if int(meta.get("step", -1)) != loaded.steps_trained or int(state["step"]) != loaded.steps_trained:
-        raise ValueError(f"{d}: trainer state (step {meta.get('step')}) and weights disagree (torn checkpoint?)")
-    return loaded.decoder.state_dict(), state
+    d, decoder_state, state, errors = latest_training_checkpoint(aha, src)
+    if errors:
+        warnings.warn(f"resuming from {d}: newer checkpoint(s) unusable: {'; '.join(errors)}", stacklevel=3)
+    aha.decoder.load_state_dict(decoder_state)
+    aha.steps_trained = int(state["step"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    gen.set_state(state["rng"].contiguous())
+    return int(state["step"]), d

@@ -241,15 +241,14 @@ def aha_config_from_args(args: argparse.Namespace) -> Any:
         if getattr(args, flag) is not None:
             fields[flag] = getattr(args, flag)
     try:
-        return AHAConfig.from_dict({k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+        return AHAConfig.from_dict(fields)  # JSON / YAML lists become tuples there
     except TypeError as err:
         raise UsageError(f"bad AHA option: {err}") from None
 
 
 def run_train_aha(args: argparse.Namespace) -> int:
     from attr_engine.aha import AHA
-    from attr_engine.aha.persistence import CHECKPOINTS_DIR, CONFIG_FILE
-    from attr_engine.aha.trainer import has_checkpoint
+    from attr_engine.aha.persistence import CHECKPOINTS_DIR, CONFIG_FILE, has_checkpoint
     from attr_engine.distributed import process_rank
 
     for flag in ("epochs", "batch_size", "max_steps", "checkpoint_every", "num_images"):
