@@ -5,13 +5,19 @@ The preprocessing half answers two questions for a user's photo of any size: wha
 input size, with the model's interpolation), and where on the photo does a map computed on that tensor lie
 (:func:`to_image_frame`: the inverse geometry, the cropped-away border ``NaN``). :func:`data_config` reads the
 settings from a timm model's pretrained config.
+
+It is the one image pipeline: :func:`decode_image` (file -> PIL image), :func:`crop_geometry` / :func:`preprocess`
+(resize and crop) and :func:`pil_to_tensor` serve ``explain`` (both engines) and
+:class:`~attr_engine.data.ImageFolderDataset` (training, evaluation) alike, so a classifier is trained and explained
+on the same pixels of a file. ``attr_engine.data`` imports this module, never the reverse.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +33,7 @@ __all__ = [
     "DataConfig",
     "crop_geometry",
     "data_config",
+    "decode_image",
     "gaussian_blur",
     "pil_to_tensor",
     "prepare_input",
@@ -140,6 +147,9 @@ def resolve_reference(
 # The classifier's preprocessing and its inverse
 # ---------------------------------------------------------------------------------------------------------------
 
+# Single-channel modes PIL cannot convert to 8-bit RGB without clipping, and the value that maps to 1.0.
+_HIGH_DEPTH_SCALE = {"I;16": 65535.0, "I;16L": 65535.0, "I;16B": 65535.0, "I;16N": 65535.0, "I": 65535.0, "F": 1.0}
+
 _INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos")
 _CROP_MODES = ("center", "squash")
 
@@ -248,8 +258,48 @@ def crop_geometry(image_size: tuple[int, int], config: DataConfig) -> CropGeomet
     return CropGeometry((h0, w0), (hr, wr), round((hr - h) / 2.0), round((wr - w) / 2.0), (h, w))
 
 
+def decode_image(source: str | os.PathLike[str] | IO[bytes]) -> Image.Image:
+    """Fully decode an image file to an RGB PIL image, or a mode-``F`` greyscale one in [0, 1] for high bit depths.
+
+    The reader of every image the package loads from disk (``explain``, its Ray engine, the image-folder dataset).
+    The image is EXIF-rotated (a phone photo comes out the way it is viewed) and converted to RGB: palette and
+    greyscale replicated, alpha dropped. 16-bit greyscale (PIL modes ``I;16*``, and ``I`` as PIL opens 16-bit
+    PNG / TIFF) maps 0..65535 to [0, 1] and 32-bit float (mode ``F``, e.g. float TIFF) is read as [0, 1]
+    intensities, both clipped to [0, 1] and returned as mode ``F``: ``convert("RGB")`` would clip them at 255 and
+    turn the image white. :func:`pil_to_tensor` turns either kind into ``(3, H, W)`` float32.
+
+    Args:
+        source: a path, or a binary file object open for reading (e.g. ``io.BytesIO`` of a file's bytes).
+
+    Returns:
+        A loaded PIL image (no file handle kept open), mode ``RGB`` or ``F``, ``(width, height)`` as displayed.
+
+    Raises:
+        ValueError: the file cannot be read or is no image PIL knows; the message names ``source`` (a file object
+            by its ``name`` when it has one) and the error PIL gave is its ``__cause__``.
+    """
+    import numpy as np
+    from PIL import Image, ImageOps
+
+    try:
+        with Image.open(source) as im:
+            im.load()
+            im = ImageOps.exif_transpose(im)
+            scale = _HIGH_DEPTH_SCALE.get(im.mode)
+            if scale is not None:
+                values = np.asarray(im, dtype=np.float32) / scale
+                return Image.fromarray(np.clip(values, 0.0, 1.0).astype(np.float32))  # mode F
+            return im.convert("RGB")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        # PIL reports truncated or foreign files as OSError / UnidentifiedImageError (an OSError) / SyntaxError.
+        name = source if isinstance(source, str | os.PathLike) else getattr(source, "name", source)
+        raise ValueError(f"cannot read image {name}: {err}") from err
+
+
 def pil_to_tensor(img: Image.Image) -> torch.Tensor:
-    """A PIL image (RGB, or mode ``F`` greyscale in [0, 1]) as ``(3, H, W)`` float32 in [0, 1]."""
+    """A PIL image (RGB, or mode ``F`` greyscale in [0, 1], as :func:`decode_image` returns) as ``(3, H, W)``
+    float32 in [0, 1]: 8-bit values divided by 255, a mode-``F`` image clipped to [0, 1] (a bicubic resize may
+    overshoot) and replicated to three channels. Other modes are converted to RGB first."""
     import numpy as np
 
     if img.mode == "F":  # high bit depth, already in [0, 1]; bicubic may overshoot: clip
@@ -261,6 +311,10 @@ def pil_to_tensor(img: Image.Image) -> torch.Tensor:
 
 def preprocess(img: Image.Image, config: DataConfig) -> torch.Tensor:
     """The classifier's input cut from a PIL image: resize, centre-crop (:func:`crop_geometry`).
+
+    ``explain`` and :class:`~attr_engine.data.ImageFolderDataset` with an ``img_size`` both cut their images here,
+    so a file gives the classifier the same tensor in training as when it is explained. The resize is PIL's plain
+    filter (no ``reducing_gap`` shortcut): the pixels timm's transform would give.
 
     Returns:
         ``(3, H, W)`` float32 in [0, 1], ``(H, W) = config.input_size``.

@@ -206,3 +206,51 @@ def test_linked_directories_are_followed_once_and_a_loop_lists_nothing_twice(ima
     (image_tree / "cat" / "far2").symlink_to(outside, target_is_directory=True)
     names = [p.relative_to(image_tree).as_posix() for p, _ in ImageFolderDataset(image_tree).samples]
     assert names.count("cat/far/far.png") + names.count("cat/far2/far.png") == 1 and len(names) == 4
+
+
+# (h, w), img_size, crop_pct where the folder's old resize/crop (rounded long side, floored offset, rounded short
+# side, PIL's reducing_gap shortcut) cut other pixels than explain's: the folder now cuts explain's.
+_ONE_PIPELINE_CASES = [
+    ((30, 47), 10, 1.0),  # long side 15.67: 15 px (truncated, timm), not 16; offset 2, not 3
+    ((47, 30), 10, 0.9),  # offset (17 - 10) / 2 = 3.5: 4 (rounded), not 3
+    ((24, 37), 16, 0.95),  # short side 16 / 0.95 = 16.8: 16 px (floored, timm), not 17
+    ((300, 420), 10, 1.0),  # a 30x shrink: a plain bicubic filter, no box-reduce first
+    ((12, 20), 12, 1.0),  # the short side already at img_size: no resize of it
+]
+
+
+@pytest.mark.parametrize(("shape", "img_size", "crop_pct"), _ONE_PIPELINE_CASES)
+@pytest.mark.parametrize("kind", ["rgb", "grey16"])
+def test_the_folder_gives_the_classifier_the_pixels_explain_gives_it(tmp_path, shape, img_size, crop_pct, kind):
+    """Issue: training (the folder dataset) and explaining (decode_image + prepare_input) cropped one pixel apart.
+    Both go through one decode, one geometry and one pil_to_tensor now: the same file, the same tensor, bit for bit."""
+    from attr_engine.imageops import DataConfig, crop_geometry, decode_image, prepare_input
+
+    rng = np.random.default_rng(sum(shape))
+    if kind == "rgb":
+        _write_image(tmp_path / "im.png", rng.integers(0, 256, (*shape, 3), dtype=np.uint8))
+    else:
+        _write_image(tmp_path / "im.png", rng.integers(0, 65536, shape, dtype=np.uint16))
+    ds = ImageFolderDataset(tmp_path, img_size=img_size, crop_pct=crop_pct)
+    image, _ = ds[0]
+    config = DataConfig((img_size, img_size), crop_pct, "bicubic")
+    assert ds.config == config
+    x, size, original = prepare_input(decode_image(tmp_path / "im.png"), config, keep_original=True)
+    assert image.shape == (3, img_size, img_size) and size == shape
+    assert torch.equal(image, x)
+    # Without img_size the folder gives the whole decoded image, as explain's overlays see it.
+    whole, _ = ImageFolderDataset(tmp_path)[0]
+    assert original is not None and torch.equal(whole.mul(255).round().to(torch.uint8), original)
+    # And the crop is timm's arithmetic, which the cases above were picked to tell from the old folder rule.
+    geo = crop_geometry(shape, config)
+    assert geo.size == (img_size, img_size) and min(geo.resized) == max(img_size, int(img_size / crop_pct))
+
+
+def test_the_private_decode_is_a_deprecated_alias_of_decode_image(image_tree: Path) -> None:
+    from attr_engine.imageops import decode_image
+
+    ds = ImageFolderDataset(image_tree)
+    img = ds._decode(image_tree / "cat" / "a.png")
+    assert np.array_equal(np.asarray(img), np.asarray(decode_image(image_tree / "cat" / "a.png")))
+    with pytest.raises(ValueError, match=r"cannot read image .*broken\.jpg"):
+        ImageFolderDataset._decode(image_tree / "dog" / "broken.jpg")

@@ -93,6 +93,34 @@ def test_write_report_writes_table_and_figures(setting, tmp_path) -> None:
     assert paths["markdown"].read_text() == leaderboard_markdown(board)
 
 
+def test_one_report_writer_for_the_library_and_the_cli(setting, tmp_path) -> None:
+    """evaluate --out / demo and the library wrote a leaderboard's files with two writers; write_report is the one,
+    under each's file names: the same board gives the same bytes either way."""
+    import json
+
+    from attr_engine.cli.evaluate import CLI_REPORT_FILES, markdown, write_board
+
+    _, _, board = setting
+    lib = write_report(board, tmp_path / "lib")
+    cli = write_board(board, tmp_path / "cli", results={"setup": {"seed": 0}})
+    assert {k: p.name for k, p in cli.items()} == {
+        "csv": "leaderboard.csv", "curves": "curves.png", "overlays": "overlays.png", "results": "results.json"
+    }  # fmt: skip
+    assert not (tmp_path / "cli" / "leaderboard.md").exists()  # the CLI writes its own report.md around the table
+    for kind, cli_kind in (("csv", "csv"), ("curves", "curves"), ("maps", "overlays")):
+        assert lib[kind].read_bytes() == cli[cli_kind].read_bytes(), kind
+    record = json.loads(cli["results"].read_text())
+    assert record["setup"] == {"seed": 0} and [r["method"] for r in record["leaderboard"]] == ["grad", "gxi"]
+    assert record["curves"]["grad"]["deletion"] == pytest.approx(board.curves["grad"]["deletion"].tolist())
+    # report.md's table is the library's, notes included.
+    assert markdown(board) == leaderboard_markdown(board)
+    # Any kind renamed or left out; an unknown kind is refused.
+    only = write_report(board, tmp_path / "only", files={**CLI_REPORT_FILES, "curves": None, "maps": None})
+    assert set(only) == {"csv", "results"}
+    with pytest.raises(ValueError, match="unknown report file kind"):
+        write_report(board, tmp_path / "bad", files={"overlay": "x.png"})
+
+
 def test_markdown_table_bolds_the_best_by_direction() -> None:
     rows = [{"method": "a", "x": 1.0, "y": 5.0}, {"method": "b", "x": 2.0, "y": float("nan")}]
     text = markdown_table(rows, directions={"x": "lower", "y": "higher"})

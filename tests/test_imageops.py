@@ -1,6 +1,9 @@
-"""Maps in the original image's frame: the classifier's preprocessing (timm's eval transform) and its inverse."""
+"""Maps in the original image's frame: the classifier's preprocessing (timm's eval transform) and its inverse; the
+image reader (decode_image) every path shares."""
 
 from __future__ import annotations
+
+import io
 
 import numpy as np
 import pytest
@@ -10,7 +13,15 @@ import torch
 from PIL import Image
 
 import attr_engine
-from attr_engine.imageops import DataConfig, crop_geometry, data_config, preprocess, to_image_frame
+from attr_engine.imageops import (
+    DataConfig,
+    crop_geometry,
+    data_config,
+    decode_image,
+    pil_to_tensor,
+    preprocess,
+    to_image_frame,
+)
 
 
 def _photo(h: int, w: int, box: tuple[int, int, int, int]) -> tuple[Image.Image, np.ndarray]:
@@ -84,3 +95,67 @@ def test_data_config_reads_timms_crop_and_the_classifiers_size():
     cfg = data_config(vit)
     assert cfg.input_size == (32, 32) and cfg.crop_pct == 0.9 and cfg.interpolation == "bicubic"
     assert data_config(vit, crop_pct=1.0, img_size=48).crop_pct == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decode_image: the one reader of image files (explain, its Ray engine, ImageFolderDataset)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_decode_image_reads_16_bit_and_float_greyscale_into_the_unit_range(tmp_path):
+    grey16 = (np.arange(12 * 20, dtype=np.uint16).reshape(12, 20) * 273).astype(np.uint16)
+    Image.fromarray(grey16).save(tmp_path / "a16.png")
+    assert Image.open(tmp_path / "a16.png").mode.startswith("I")  # what 16-bit PNGs open as
+    grey_f = np.linspace(-0.5, 1.5, 12 * 20, dtype=np.float32).reshape(12, 20)  # out of range on both sides
+    Image.fromarray(grey_f).save(tmp_path / "b.tif")
+    for source, want in ((tmp_path / "a16.png", grey16 / 65535.0), (tmp_path / "b.tif", np.clip(grey_f, 0, 1))):
+        img = decode_image(source)
+        assert img.mode == "F" and img.size == (20, 12)
+        np.testing.assert_allclose(np.asarray(img), want, atol=1e-6)
+        x = pil_to_tensor(img)
+        assert x.shape == (3, 12, 20) and x.dtype == torch.float32 and torch.equal(x[0], x[2])
+    # A binary file object reads as its path does.
+    with open(tmp_path / "a16.png", "rb") as f:
+        assert np.array_equal(np.asarray(decode_image(f)), np.asarray(decode_image(tmp_path / "a16.png")))
+    data = io.BytesIO((tmp_path / "a16.png").read_bytes())
+    assert np.array_equal(np.asarray(decode_image(data)), np.asarray(decode_image(str(tmp_path / "a16.png"))))
+
+
+def test_decode_image_makes_palette_alpha_and_grey_images_rgb(tmp_path):
+    rng = np.random.default_rng(0)
+    rgb = rng.integers(0, 256, (9, 14, 3), dtype=np.uint8)
+    Image.fromarray(rgb).quantize(colors=5).save(tmp_path / "p.png", transparency=0)  # palette, one colour clear
+    Image.fromarray(rgb).convert("P").save(tmp_path / "p.gif")
+    Image.fromarray(np.dstack([rgb, rgb[..., :1]])).save(tmp_path / "rgba.png")
+    Image.fromarray(rgb[..., 0]).save(tmp_path / "l.png")
+    for name in ("p.png", "p.gif", "rgba.png", "l.png"):
+        img = decode_image(tmp_path / name)
+        assert img.mode == "RGB" and img.size == (14, 9), name
+        with Image.open(tmp_path / name) as raw:
+            assert np.array_equal(np.asarray(img), np.asarray(raw.convert("RGB"))), name  # alpha dropped, not mixed
+    assert np.array_equal(np.asarray(decode_image(tmp_path / "rgba.png")), rgb)
+
+
+@pytest.mark.parametrize(("orientation", "turn"), [(3, 2), (6, -1), (8, 1)])
+def test_decode_image_applies_the_exif_orientation(tmp_path, orientation, turn):
+    """A phone photo comes out the way it is viewed: orientation 6 is "rotate 90 clockwise to view"."""
+    rgb = np.random.default_rng(1).integers(0, 256, (10, 16, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    Image.fromarray(rgb).save(tmp_path / "o.png", exif=exif)
+    img = decode_image(tmp_path / "o.png")
+    assert np.array_equal(np.asarray(img), np.rot90(rgb, k=turn))
+
+
+def test_decode_image_names_the_file_it_cannot_read(tmp_path):
+    Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8)).save(tmp_path / "whole.png")
+    (tmp_path / "cut.png").write_bytes((tmp_path / "whole.png").read_bytes()[:60])  # truncated
+    (tmp_path / "text.jpg").write_text("not an image")
+    for name in ("cut.png", "text.jpg", "missing.png"):
+        with pytest.raises(ValueError, match=rf"^cannot read image .*{name.replace('.', '[.]')}: ") as info:
+            decode_image(tmp_path / name)
+        assert isinstance(info.value.__cause__, OSError | SyntaxError)  # PIL's own error, for callers that want it
+    with open(tmp_path / "text.jpg", "rb") as f, pytest.raises(ValueError, match=r"cannot read image .*text[.]jpg"):
+        decode_image(f)  # a file object by its name
+    with pytest.raises(ValueError, match="cannot read image"):
+        decode_image(io.BytesIO(b"junk"))

@@ -1,4 +1,5 @@
-"""``evaluate``: a leaderboard of attribution methods on held-out images, and the report files it shares with demo."""
+"""``evaluate``: a leaderboard of attribution methods on held-out images, and the report files it shares with demo
+(written by :func:`attr_engine.report.write_report`, the one leaderboard writer)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ from attr_engine.cli._common import (
 
 CHEAP_METRICS = ("deletion", "insertion")
 MASK_METRICS = ("pointing_game", "energy_pointing_game")
+# The leaderboard files of evaluate --out and demo, by attr_engine.report.write_report's kinds; report.md is theirs.
+CLI_REPORT_FILES: dict[str, str | None] = {
+    "markdown": None,
+    "csv": "leaderboard.csv",
+    "curves": "curves.png",
+    "maps": "overlays.png",
+    "results": "results.json",
+}
 
 if TYPE_CHECKING:
     import torch
@@ -84,9 +93,11 @@ def evaluation_data(data: str, *, num_images: int, img_size: int, seed: int) -> 
 
 
 def markdown(board: Any) -> str:
-    from attr_engine.report import markdown_table
+    """The leaderboard's table for ``report.md``: :func:`attr_engine.report.leaderboard_markdown` (its notes under
+    it, saying what each method's pixel ranking read), as the library's reports have it."""
+    from attr_engine.report import leaderboard_markdown
 
-    return markdown_table(board.rows, board.columns, directions=board.directions)
+    return leaderboard_markdown(board)
 
 
 def plain_table(board: Any) -> str:
@@ -126,18 +137,18 @@ def row_labels(classifier: Any, images: torch.Tensor, class_names: Any = None) -
 
 def write_board(board: Any, out: Path, *, results: dict[str, Any], labels: list[str] | None = None) -> dict[str, Path]:
     """``leaderboard.csv``, ``overlays.png`` (kept images, every method side by side, ``labels`` per row),
-    ``curves.png`` and ``results.json`` (``results`` plus the table rows and mean curves) in ``out``."""
-    from attr_engine.checkpoint import save_json
-    from attr_engine.report import plot_curves, plot_heatmaps, write_csv
+    ``curves.png`` and ``results.json`` (``results`` plus the table rows and mean curves) in ``out``: the files of
+    :data:`CLI_REPORT_FILES`, by :func:`attr_engine.report.write_report`.
 
-    files = {"csv": write_csv(board.rows, out / "leaderboard.csv", board.columns)}
-    if board.images is not None and len(board.images) and board.maps:
-        files["overlays"] = plot_heatmaps(board.images, board.maps, out / "overlays.png", row_labels=labels)
-    if board.curves:
-        files["curves"] = plot_curves(board.curves, out / "curves.png")
-    curves = {m: {k: v.tolist() for k, v in c.items()} for m, c in board.curves.items()}
-    save_json({**results, "leaderboard": board.rows, "curves": curves}, out / "results.json")
-    files["results"] = out / "results.json"
+    Returns:
+        ``{"csv", "results"[, "overlays"][, "curves"]}`` -> written paths (``"overlays"`` is write_report's
+        ``"maps"``).
+    """
+    from attr_engine.report import write_report
+
+    files = write_report(board, out, files=CLI_REPORT_FILES, row_labels=labels, record=results)
+    if "maps" in files:
+        files["overlays"] = files.pop("maps")
     return files
 
 

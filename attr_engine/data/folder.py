@@ -18,18 +18,18 @@ import warnings
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
-from PIL import Image, ImageOps
 from torch.utils.data import Dataset
 
+from attr_engine.imageops import DataConfig, decode_image, pil_to_tensor, preprocess
 from kernels._validate import check_int_at_least, check_positive
 
-__all__ = ["IMAGE_EXTENSIONS", "ImageFolderDataset"]
+if TYPE_CHECKING:
+    from PIL import Image
 
-# Single-channel modes PIL cannot convert to 8-bit RGB without clipping, and the value that maps to 1.0.
-_HIGH_DEPTH_SCALE = {"I;16": 65535.0, "I;16L": 65535.0, "I;16B": 65535.0, "I;16N": 65535.0, "I": 65535.0, "F": 1.0}
+__all__ = ["IMAGE_EXTENSIONS", "ImageFolderDataset"]
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 
@@ -97,8 +97,10 @@ class ImageFolderDataset(Dataset):
 
     Args:
         root: dataset folder (layouts in the module docstring).
-        img_size: ``None`` keeps each image's size; an int resizes the shorter side to ``img_size / crop_pct``
-            and centre-crops ``img_size x img_size`` (the usual evaluation transform).
+        img_size: ``None`` keeps each image's size; an int resizes the shorter side to ``floor(img_size /
+            crop_pct)`` (bicubic) and centre-crops ``img_size x img_size`` (timm's evaluation transform): the
+            :func:`~attr_engine.imageops.preprocess` of ``self.config``, the very pixels ``attr-engine explain``
+            gives a classifier of that input size and ``crop_pct``.
         crop_pct: fraction of the resized image kept by the centre crop (1.0: resize the shorter side straight to
             ``img_size``); ignored when ``img_size`` is None.
         extensions: file suffixes (case-insensitive) treated as images.
@@ -113,11 +115,13 @@ class ImageFolderDataset(Dataset):
         class_names: subfolder names (empty for a flat folder).
         skipped: ``[(path, reason), ...]`` for files dropped by ``skip_unreadable``.
         unclassified: images directly in ``root`` of a class layout (left out unless ``include_unclassified``).
+        config: the resize and crop (``DataConfig((img_size, img_size), crop_pct, "bicubic")``), None without
+            ``img_size``.
 
-    Images are decoded with PIL, EXIF-rotated, and converted to RGB (alpha dropped, greyscale replicated). 8-bit
-    images map 0..255 to [0, 1]; 16-bit greyscale (PIL modes ``I;16*``, and ``I`` as PIL opens 16-bit PNG/TIFF)
-    maps 0..65535 to [0, 1]; 32-bit float images (mode ``F``, e.g. float TIFF) are read as [0, 1] intensities and
-    clipped to that range. (``convert("RGB")`` would clip 16-bit values at 255 and turn the image white.)
+    Images are read by :func:`~attr_engine.imageops.decode_image` (EXIF-rotated, converted to RGB with alpha
+    dropped and greyscale replicated; 8-bit values map 0..255 to [0, 1], 16-bit greyscale 0..65535, float images
+    are read as [0, 1] intensities) and made tensors by :func:`~attr_engine.imageops.pil_to_tensor`: the one
+    pipeline ``explain`` uses too.
     """
 
     def __init__(
@@ -139,6 +143,7 @@ class ImageFolderDataset(Dataset):
             raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct!r}")
         self.img_size = img_size
         self.crop_pct = float(crop_pct)
+        self.config = None if img_size is None else DataConfig((img_size, img_size), self.crop_pct, "bicubic")
         exts = tuple(e.lower() if e.startswith(".") else f".{e.lower()}" for e in extensions)
 
         candidates = sorted(d for d in self.root.iterdir() if d.is_dir() and not d.name.startswith("."))
@@ -169,7 +174,7 @@ class ImageFolderDataset(Dataset):
             kept = []
             for path, label in samples:
                 try:
-                    self._decode(path)
+                    decode_image(path)
                 except ValueError as err:
                     self.skipped.append((path, str(err.__cause__ or err)))
                 else:
@@ -192,41 +197,20 @@ class ImageFolderDataset(Dataset):
         return len(self.samples)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        """Sample ``index`` as ``(image (3, H, W) float32 in [0, 1], label)``; ``H = W = img_size`` when set.
+
+        Raises:
+            ValueError: the file cannot be read (the message names it).
+        """
         path, label = self.samples[index]
-        img = self._decode(path)
-        if self.img_size is not None:
-            img = self._resize_crop(img, self.img_size)
-        if img.mode == "F":  # high bit depth, already scaled to [0, 1] by _decode; bicubic may overshoot: clip
-            grey = torch.from_numpy(np.asarray(img, dtype=np.float32).copy()).clamp_(0.0, 1.0)
-            return grey[None].expand(3, -1, -1).contiguous(), label
-        array = np.asarray(img, dtype=np.uint8)
-        image = torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255.0)
-        return image, label
+        img = decode_image(path)
+        return (pil_to_tensor(img) if self.config is None else preprocess(img, self.config)), label
 
     @staticmethod
     def _decode(path: Path) -> Image.Image:
-        """Fully decode ``path`` to an RGB PIL image, or a mode-``F`` greyscale one in [0, 1] for high bit depths.
+        """Deprecated: use :func:`attr_engine.imageops.decode_image`, which this only calls.
 
-        Any failure becomes a ValueError naming the file.
+        Kept for the callers of the old private name (``explain``'s local and Ray engines) until they move to the
+        public one. It does not warn: ``explain`` prints library warnings on stderr, whose bytes are pinned.
         """
-        try:
-            with Image.open(path) as im:
-                im.load()
-                im = ImageOps.exif_transpose(im)
-                scale = _HIGH_DEPTH_SCALE.get(im.mode)
-                if scale is not None:
-                    values = np.asarray(im, dtype=np.float32) / scale
-                    return Image.fromarray(np.clip(values, 0.0, 1.0).astype(np.float32))  # mode F
-                return im.convert("RGB")
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-            # PIL reports truncated or foreign files as OSError / UnidentifiedImageError (an OSError) / SyntaxError.
-            raise ValueError(f"cannot read image {path}: {err}") from err
-
-    def _resize_crop(self, img: Image.Image, size: int) -> Image.Image:
-        w, h = img.size
-        short = max(size, round(size / self.crop_pct))
-        scale = short / min(w, h)
-        new_w, new_h = max(size, round(w * scale)), max(size, round(h * scale))
-        img = img.resize((new_w, new_h), Image.Resampling.BICUBIC, reducing_gap=3.0)
-        left, top = (new_w - size) // 2, (new_h - size) // 2
-        return img.crop((left, top, left + size, top + size))
+        return decode_image(path)
