@@ -15,6 +15,18 @@ taps of pixel y that land in that cell after reflection. The reference multiplie
 pixel's few non-zero entries (a band of 2D + 1 cells around the pixel's own cell) and combine the grid values
 in registers, so no (B, S, H, W) mask is ever written.
 
+Gradient of the clamp (deliberate, not the official code's rule): it passes wherever the blurred mask lies in the
+closed interval [0, 1], so cells at exactly 0 or 1 receive the full gradient, as they do without smoothing
+(where nothing is clamped). The official code clamps the cells before upsampling with torch.clamp, whose gradient
+is zero at exactly 0 and 1 (and clamps again after the blur); that would make an all-0 or all-1 mask a stationary
+point that no step can move inward. The gate must not depend on rounding: a blur of cells that are all 1 rounds to
+1 +- a few ulps. So both paths let the gradient through where ``0 <= blur <= 1 + slack``, with ``slack =
+(n + 4) * eps`` of the accumulation dtype and n = (2 D_r + 1) (2 D_c + 1) the most cells a pixel's blur reaches
+(:func:`_clamp_slack`): a sum of at most n non-negative products of weights that sum to 1 exceeds its exact value,
+at most 1, by less than that in any summation order, so no rounding of a blur of cells at most 1 switches the
+gradient off (a blur genuinely above 1 by less than the slack, about 6e-6 in float32 at sigma 1 and 1 px cells,
+keeps it too). The lower end needs no slack: a blur of non-negative cells is never below 0 in floating point.
+
 Geometry (:func:`cell_index`): pixel row y belongs to grid row ``min(g - 1, floor((y * g + oy * H) / H))``, likewise
 for columns. With offset 0 the cells are the exact balanced partition ``floor(y * g / H)`` (F.interpolate's "nearest"
 source index, except where its float32 scale rounds across a cell boundary, about 1% of (H, g) pairs); an offset
@@ -213,15 +225,25 @@ def _region_pool_reference(amap: Tensor, grid: _Grid) -> Tensor:
 
 
 def _pixel_masks(
-    masks: Tensor, grid: _Grid, smooth: _Smoothing | None, acc: torch.dtype
+    masks: Tensor, grid: _Grid, smooth: _Smoothing | None, acc: torch.dtype, gate: bool = False
 ) -> tuple[Tensor, Tensor | None]:
     """Per-pixel masks (B, S, H, W) in ``acc``: nearest upsampling, or its blur ``A_r @ M @ A_c^T`` clamped to
-    [0, 1]; with the blur also where the clamp lets the gradient through (torch.clamp's rule: 0 <= raw <= 1)."""
+    [0, 1]. With the blur and ``gate``, also where the clamp lets the gradient through, ``0 <= blur <= 1 + slack``
+    (module docstring); None otherwise."""
     if smooth is None:
         return _upsample(masks.to(acc), grid), None
     raw = _reduce_cells(masks.to(acc), smooth.up[acc])
-    keep = (raw >= 0.0) & (raw <= 1.0)
+    keep = None
+    if gate:
+        slack = _clamp_slack(acc, smooth.row_band[acc].shape[1], smooth.col_band[acc].shape[1])
+        keep = (raw >= 0.0) & (raw <= 1.0 + slack)
     return raw.clamp_(0.0, 1.0), keep
+
+
+def _clamp_slack(acc: torch.dtype, nbr: int, nbc: int) -> float:
+    """Rounding allowance of the clamp's upper gate for a blur reaching ``nbr`` x ``nbc`` cells (module docstring):
+    ``(n + 4) * eps`` bounds the rounding of n non-negative products, from weights rounded to ``acc``, in any order."""
+    return (nbr * nbc + 4) * torch.finfo(acc).eps
 
 
 def _blend_reference_forward(
@@ -258,9 +280,10 @@ def _blend_reference_backward(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dx, dr, dmasks or None). Recomputes the upsampled masks and r - x and works one channel at a time, so its
     temporaries are (B, S, H, W)-sized (1 / C of the output). With smoothing, the per-pixel mask gradient passes
-    the clamp where 0 <= blur <= 1 and goes back to the cells through the transposed blur ``A_r^T @ . @ A_c``."""
+    the clamp where the blur is in [0, 1], ends included (``_pixel_masks``), and goes back to the cells through the
+    transposed blur ``A_r^T @ . @ A_c``."""
     acc = compute_dtype(x.dtype)
-    up, keep = _pixel_masks(masks, grid, smooth, acc)  # (B, S, H, W)
+    up, keep = _pixel_masks(masks, grid, smooth, acc, gate=need_masks)  # (B, S, H, W)
     diff = reference.to(acc) - x.to(acc)
     dr = torch.empty_like(diff)
     dup = torch.zeros_like(up) if need_masks else None
@@ -274,7 +297,7 @@ def _blend_reference_backward(
     if dup is not None and smooth is None:
         dm = _reduce_cells(dup, grid.sums[acc]).to(masks.dtype)
     elif dup is not None and smooth is not None:
-        assert keep is not None  # _pixel_masks returns the clamp gate whenever it smooths
+        assert keep is not None  # _pixel_masks returns the clamp gate whenever it smooths with gate=True
         dm = _reduce_cells(dup.mul_(keep), smooth.down[acc]).to(masks.dtype)
     return dx.to(x.dtype), dr.to(reference.dtype), dm
 
@@ -560,6 +583,7 @@ def _blend_bwd_kernel(
     SMOOTH: tl.constexpr,  # the forward blurred and clamped the masks
     NBR: tl.constexpr,  # SMOOTH: cell rows a pixel's blur reaches (1 otherwise)
     NBC: tl.constexpr,  # SMOOTH: cell columns a pixel's blur reaches (1 otherwise)
+    SLACK: tl.constexpr,  # SMOOTH: _clamp_slack, the clamp gate's rounding allowance above 1 (a constant)
     NB_POW2: tl.constexpr,  # next power of two of NBR * NBC (the partials' register tile)
     BLOCK_S: tl.constexpr,  # masks per step (power of two); larger S loops over mask blocks
     BLOCK_P: tl.constexpr,  # pixels of the cell per step
@@ -569,9 +593,10 @@ def _blend_bwd_kernel(
         dx[b, c, y, x] = sum_s g[b, s, c, y, x] * (1 - m~[b, s, y, x]);   dr = sum_s g * m~
         e[b, s, y, x]  = sum_c g[b, s, c, y, x] * (r - x)[b, c, y, x]
         dm[b, s, cell] = sum_{(y, x) in cell} e                                         (SMOOTH False)
-        SMOOTH: part[b, s, cell, a, e'] = sum_{(y, x) in cell} [0 <= m~raw <= 1] e Wr[y, a] Wc[x, e'], the share of
-                the cell's pixels in the gradient of cell (cy + a - D_r, cx + e' - D_c); the launcher adds the
-                shifted partials up (dm = A_r^T (e * clamp gate) A_c).
+        SMOOTH: part[b, s, cell, a, e'] = sum_{(y, x) in cell} keep e Wr[y, a] Wc[x, e'], the share of the cell's
+                pixels in the gradient of cell (cy + a - D_r, cx + e' - D_c); the launcher adds the shifted partials
+                up (dm = A_r^T (e * keep) A_c). keep = [0 <= m~raw <= 1 + SLACK], the clamp's gate: the gradient
+                passes at exactly 0 and 1 whatever the rounding (see the module docstring).
 
     The program reduces the cell's mask gradients in registers and writes dx, dr for the cell's pixels, which no
     other program touches. No atomics, deterministic, and the output gradient (the big tensor) is read exactly
@@ -641,7 +666,8 @@ def _blend_bwd_kernel(
                 tl.store(dx_ptr + out, dx.to(dx_ptr.dtype.element_ty), mask=p_ok)
                 tl.store(dr_ptr + out, dr.to(dr_ptr.dtype.element_ty), mask=p_ok)
             if SMOOTH:
-                gm = tl.where((raw >= 0.0) & (raw <= 1.0), gm, 0.0)  # torch.clamp's gradient rule
+                # raw - 1 <= SLACK, not raw <= 1 + SLACK: a float constexpr is fp32, where 1 + SLACK rounds to 1.
+                gm = tl.where((raw >= 0.0) & (raw - 1.0 <= SLACK), gm, 0.0)
                 for a in range(NBR):
                     wy = tl.load(rband_ptr + h * NBR + a, mask=p_ok, other=0.0).to(ACC)
                     for e in range(NBC):
@@ -804,11 +830,14 @@ def _soft_mask_blend_backward_op(
     # With smoothing the kernel writes each cell's shares of its neighbours' gradients, summed here.
     dm = torch.empty((b, n_masks, g, g, nbr, nbc), dtype=acc, device=x.device) if smooth["SMOOTH"] else None
     dm_out = torch.empty_like(masks) if dm is None else dm
+    # A per-pixel test with a runtime bound (a loaded neighbourhood maximum) spilled registers: the bound is constant.
+    slack = _clamp_slack(acc, nbr, nbc) if smooth["SMOOTH"] else 0.0
     if grad.numel() > 0:
         wrap_triton(_blend_bwd_kernel)[(g * g, b)](
             grad, x, reference, masks, dx, dr, dm_out, row_start, col_start, rband, cband, *x.stride(),
             *reference.stride(), n_masks, c, h, w, g, ACC=tl_compute_dtype(x.dtype), BLOCK_S=block_s,
-            BLOCK_P=min(block_p, _cell_block(max_area)), NB_POW2=triton.next_power_of_2(nbr * nbc), **smooth,
+            BLOCK_P=min(block_p, _cell_block(max_area)), NB_POW2=triton.next_power_of_2(nbr * nbc), SLACK=slack,
+            **smooth,
         )  # fmt: skip
     else:
         dm_out.zero_()
@@ -913,7 +942,9 @@ def soft_mask_blend(
         smooth_sigma: 0 (default) blends with the upsampled masks as they are. > 0 smooths them as the official AHA
             training does: a Gaussian blur of standard deviation ``smooth_sigma`` px with
             :func:`blur_kernel_size` taps (``2 * ceil(3 * sigma) + 1``: 7 at 1.0), reflect padding, then
-            ``clamp(0, 1)``; ``up(m_s)`` above is then that blurred mask. Needs ``k // 2 < min(H, W)``.
+            ``clamp(0, 1)``; ``up(m_s)`` above is then that blurred mask. Needs ``k // 2 < min(H, W)``. The
+            clamp passes the gradient wherever the blur is in [0, 1], ends included, so cells at exactly 0
+            or 1 keep theirs (torch.clamp and the official code stop it there; see the module docstring).
         validate: also check that the masks are finite. That check reads them, a host-device synchronisation on a
             GPU: engine loops validate once at their entry point and pass False.
 

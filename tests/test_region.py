@@ -227,9 +227,12 @@ def test_region_ops_cuda_match_reference(dtype: torch.dtype) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _official_blend(x: torch.Tensor, r: torch.Tensor, masks: torch.Tensor, offset: tuple, sigma: float) -> torch.Tensor:
+def _official_blend(
+    x: torch.Tensor, r: torch.Tensor, masks: torch.Tensor, offset: tuple, sigma: float, clamp: bool = True
+) -> torch.Tensor:
     """The official formulation, independently of the op's blur matrices: per-pixel masks from cell_index, F.pad
-    "reflect", conv2d with the normalised outer product of the 1-D Gaussian, clamp to [0, 1], torch.lerp."""
+    "reflect", conv2d with the normalised outer product of the 1-D Gaussian, clamp to [0, 1] (``clamp`` False: the
+    linear blur alone), torch.lerp."""
     b, _, h, w = x.shape
     g = masks.shape[-1]
     up = masks[:, :, cell_index(h, g, offset[0])][:, :, :, cell_index(w, g, offset[1])]
@@ -239,7 +242,8 @@ def _official_blend(x: torch.Tensor, r: torch.Tensor, masks: torch.Tensor, offse
     kernel = taps[:, None] * taps[None, :]
     kernel = (kernel / kernel.sum()).to(x.dtype).view(1, 1, k, k)
     flat = F.pad(up.reshape(-1, 1, h, w), (k // 2,) * 4, mode="reflect")
-    smooth = F.conv2d(flat, kernel).view(b, -1, h, w).clamp(0.0, 1.0)
+    smooth = F.conv2d(flat, kernel).view(b, -1, h, w)
+    smooth = smooth.clamp(0.0, 1.0) if clamp else smooth
     return torch.lerp(x[:, None], r[:, None], smooth[:, :, None])
 
 
@@ -289,6 +293,29 @@ def test_smoothed_reference_gradcheck(offset: tuple[float, float]) -> None:
         assert torch.autograd.gradcheck(
             lambda a, r, m: soft_mask_blend(a, r.expand(2, -1, -1, -1), m, offset, smooth_sigma=1.0), (x, r0, masks)
         )
+
+
+@pytest.mark.parametrize("dtype", [FP32, torch.float64])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_smoothed_blend_gradient_passes_at_cells_exactly_zero_and_one(backend: str, dtype: torch.dtype) -> None:
+    """The clamp after the blur passes the gradient at cells of exactly 0 and 1 (module docstring of
+    kernels.region): for masks in [0, 1] the mask gradient is the linear blur's adjoint, on both paths and in both
+    dtypes. Pins the rule: torch.clamp's (zero gradient at exactly 0 and 1) fails on the all-zero and all-one
+    masks, and a gate that compares the rounded blur with 1 fails where a blur of ones rounds above 1."""
+    b, c, h, w, g, sigma = 1, 2, 13, 10, 3, 1.0
+    x, r = torch.randn(b, c, h, w, dtype=torch.float64), torch.randn(b, c, h, w, dtype=torch.float64)
+    masks = torch.zeros(b, 4, g, g, dtype=torch.float64)  # mask 0: all zero
+    masks[0, 1] = 1.0  # all one
+    masks[0, 2, 1], masks[0, 2, 2] = 0.4, 1.0  # rows of 0 and of 1 next to a fractional row
+    masks[0, 3] = torch.tensor([[0.0, 0.3, 1.0], [1.0, 0.5, 0.0], [0.7, 1.0, 0.0]])
+    grad = torch.randn(b, 4, c, h, w, dtype=torch.float64)
+    linear = lambda *t: _official_blend(*t, OFFSET, sigma, clamp=False)
+    expected = _grads(linear, [x, r, masks], grad)[3]
+    inputs = [t.to(dtype) for t in (x, r, masks)]
+    with set_backend(backend):
+        got = _grads(lambda *t: soft_mask_blend(*t, OFFSET, smooth_sigma=sigma), inputs, grad.to(dtype))[3]
+    tolerance = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else tol("soft_mask_blend", FP32)
+    assert_close(got.double(), expected, **tolerance)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -48,9 +48,10 @@ class AHAConfig:
     origin: **official** (the official AHA code / paper, methods.md section 1), **scaled** (an official 224 px value
     scaled with the image side), **measured** (chosen by the bench named; its command, conditions and tables are in
     benches/README.md), or **project** (a choice of this project, not measured against alternatives).
-    "bench_aha_defaults" stands for ``python -m benches.bench_aha_defaults`` (benches/README.md, "AHA defaults: grid
-    rule and score scaling"), "bench_aha_refine" for ``python -m benches.bench_aha_refine`` (benches/README.md, "AHA
-    test-time refinement (per image)").
+    docs/deviations.md lists every deliberate difference from the official code in one place. "bench_aha_defaults"
+    stands for ``python -m benches.bench_aha_defaults`` (benches/README.md, "AHA defaults: grid rule and score
+    scaling"), "bench_aha_refine" for ``python -m benches.bench_aha_refine`` (benches/README.md, "AHA test-time
+    refinement (per image)").
 
     Architecture:
         backbone: ``None`` uses the classifier's own timm backbone; a timm model name uses that model instead
@@ -65,17 +66,23 @@ class AHAConfig:
         grid_range: inclusive (min, max) grid size drawn per step; ``None`` = :func:`grid_rule` of the short side:
             7..28 at 224 px (official) and at 64 px, 4..16 at 32 px (measured, bench_aha_defaults, against the
             earlier rule that scaled the official cell sizes). An explicit range is clipped to the short side.
-        random_offset: shift the grid by a random sub-cell offset each step. Official (grid augmentation).
+        random_offset: shift the grid's cell boundaries by a random sub-cell offset (a fraction of a cell, uniform in
+            [0, 1) per axis) each step; pooling and blending share the shifted cells. Project, not measured against
+            off: the official code ships its grid shift off (``grid_shift_max_frac=None``), and its shift, when on,
+            moves the upsampled mask by whole pixels with reflection at the edge; ``False`` is the official
+            default. Kept on so that the cell edges do not sit on the same pixels at every step.
         tau_start, tau_end: Sinkhorn temperature 1.0 -> 0.3, annealed linearly over training. Official.
         n_iters: Sinkhorn iterations (30); noise: Gumbel noise scale (1). Official.
         n_fractions: number S of perturbation fractions per curve (16); fraction_sampling "linspace" (fixed, with
             endpoints; official) or "random" (sorted uniform draws plus both endpoints).
         references: reference images drawn from at random each step ("black", "mean", "blur"). Official.
         peak_weight: weight w = 0.0025 of the peak penalty mean(relu(A - avgpool(A))^2) (official); peak_kernel its
-            window, ``None`` = 15 px at 224 px (scaled, odd, >= 3).
+            window, ``None`` = 15 px at 224 px (scaled, odd, >= 3). Border windows average the in-image pixels
+            (project; the official code reflect-pads).
         mask_sigma: Gaussian blur (px) of the upsampled soft masks before blending, as the official training does
             (reflect padding, 2 * ceil(3 sigma) + 1 taps, clamp to [0, 1]); ``None`` = 1.0 at 224 px scaled with
-            the image side (official, scaled), 0 = off. Evaluation and the hard metric never smooth.
+            the image side (official, scaled), 0 = off. Evaluation and the hard metric never smooth. The clamp's
+            gradient passes at exactly 0 and 1 (project; the official torch.clamp stops it there).
         score_norm: what enters the sorter: "zscore" (default; each image's region scores standardised over its
             cells) or "raw" (the scores as pooled, as the paper and official code do). Measured, bench_aha_defaults
             (z-scoring won there). Raw scores let the map's scale act as a temperature, and an untrained decoder's
@@ -89,8 +96,11 @@ class AHAConfig:
 
     Optimiser:
         lr (3e-4), weight_decay (1e-3), warmup (fraction of steps, 0.06), grad_clip (1.0), seed (42), amp (bf16
-        autocast of the classifier on CUDA). Official (AdamW, linear warm-up then cosine). Not re-tuned here: the
-        prototype's lr 1e-3 was not measured against 3e-4 by bench_aha_defaults.
+        autocast of the classifier on CUDA): official values (AdamW). Not re-tuned here: the prototype's lr 1e-3
+        was not measured against 3e-4 by bench_aha_defaults. The schedule's shape is the project's
+        (``attr_engine._training.warmup_cosine``, shared with the classifier training; not measured against the
+        official one): linear warm-up from lr / warmup_steps to lr over ``round(warmup * steps)`` steps, then
+        cosine decay to 0. The official schedule warms up from lr / 25 and decays to lr / 2.5e5 (lr / 25 / 1e4).
 
     Test-time refinement (``refine_steps`` T > 0; per image, see :meth:`AHA._refine`). Measured, bench_aha_refine
     (T=3 beside Integrated Gradients at 50 steps, small ViT and ResNet at 64 and 32 px):
