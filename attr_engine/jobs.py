@@ -324,8 +324,8 @@ class Item:
     png_file: Path
 
 
-def list_inputs(src: Path, fmt: str) -> tuple[list[Item], Any]:
-    """Every input image under ``src`` in a stable order, and the dataset object that decodes them.
+def list_inputs(src: Path, fmt: str) -> list[Item]:
+    """Every input image under ``src`` in a stable order.
 
     Output names mirror the input tree with the image suffix replaced; inputs that would collide (``a.png`` and
     ``a.jpg`` in one folder) keep their suffix in the name instead (``a.png.npy``).
@@ -348,7 +348,7 @@ def list_inputs(src: Path, fmt: str) -> tuple[list[Item], Any]:
         items.append(
             Item(path, r.as_posix(), label, Path(f"{base.as_posix()}.{fmt}"), Path(f"{base.as_posix()}.overlay.png"))
         )
-    return items, reader
+    return items
 
 
 @dataclass
@@ -391,19 +391,20 @@ class _Decoded:
     that defining it imports nothing.
     """
 
-    def __init__(self, items: list[Item], reader: Any, config: DataConfig, keep_original: bool) -> None:
-        self.items, self.reader, self.config, self.keep_original = items, reader, config, keep_original
+    def __init__(self, items: list[Item], config: DataConfig, keep_original: bool) -> None:
+        self.items, self.config, self.keep_original = items, config, keep_original
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> _Input:
         item = self.items[i]
+        from attr_engine.imageops import decode_image, prepare_input
+
         try:
-            img = self.reader._decode(item.path)
+            img = decode_image(item.path)
         except ValueError as err:
             return _Input(item, None, error=str(err))
-        from attr_engine.imageops import prepare_input
 
         return _Input(item, *prepare_input(img, self.config, self.keep_original))
 
@@ -426,7 +427,6 @@ def _target_tensor(target: str | int, items: list[Item]) -> torch.Tensor | None:
 def run(
     job: AttributionJob,
     items: list[Item],
-    reader: Any,
     *,
     classifier: Classifier,
     explainer: Any,
@@ -438,7 +438,7 @@ def run(
 
     Args:
         job: the job (target, frame, overlays, batch size, seed).
-        items: the inputs (:func:`list_inputs`); ``reader`` decodes them (its ``_decode``).
+        items: the inputs (:func:`list_inputs`), decoded by :func:`~attr_engine.imageops.decode_image`.
         classifier, explainer: built from the job (:func:`build_classifier`, :func:`build_explainer`).
         config: the preprocessing every input is cut with.
         limit: yield at most this many maps (unreadable inputs do not count): a batch is cut to the maps still
@@ -453,7 +453,7 @@ def run(
     from attr_engine.imageops import to_image_frame
 
     keep_original = job.return_images and job.frame == "image"
-    decoded = _Decoded(items, reader, config, keep_original=keep_original)
+    decoded = _Decoded(items, config, keep_original=keep_original)
     # _Decoded is map-style by protocol (see its docstring), not a torch Dataset subclass.
     loader: DataLoader[Any] = DataLoader(
         decoded,  # type: ignore[arg-type]

@@ -78,7 +78,7 @@ LAYOUTS = ("image", "bytes", "path")
 
 
 def _image_from_array(array: np.ndarray) -> Any:
-    """A ``read_images`` array as the PIL image :meth:`ImageFolderDataset._decode` would have made of the file."""
+    """A ``read_images`` array as the PIL image :func:`~attr_engine.imageops.decode_image` makes of the file."""
     import numpy as np
     from PIL import Image
 
@@ -95,11 +95,11 @@ def _image_from_array(array: np.ndarray) -> Any:
 
 def _decode_row(batch: Mapping[str, Any], layout: str, i: int) -> Any:
     """Row ``i`` of a batch as a PIL image; a ValueError naming the image when it cannot be read."""
-    from attr_engine.data.folder import ImageFolderDataset
+    from attr_engine.imageops import decode_image
 
     path = str(batch["path"][i]) if "path" in batch else f"row {i}"
     if layout == "path":
-        return ImageFolderDataset._decode(Path(path))
+        return decode_image(Path(path))
     if layout == "image":
         try:
             return _image_from_array(batch["image"][i])
@@ -107,7 +107,7 @@ def _decode_row(batch: Mapping[str, Any], layout: str, i: int) -> Any:
             raise ValueError(f"cannot read image {path}: {err}") from None
     buffer = io.BytesIO(bytes(batch["bytes"][i]))
     try:
-        return ImageFolderDataset._decode(buffer)  # type: ignore[arg-type]  # PIL opens a file object as a path
+        return decode_image(buffer)
     except ValueError as err:
         # Name the file, as the local engine's message does, instead of the in-memory buffer PIL saw.
         reason = str(err.__cause__ or err).replace(repr(buffer), repr(path))

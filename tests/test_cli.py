@@ -328,7 +328,7 @@ def test_explain_lists_each_image_once_under_a_link_to_its_folder(tmp_path):
     src = tmp_path / "in"
     _images(src, ["a.png", "b.png"])
     (src / "loop").symlink_to(".", target_is_directory=True)
-    items, _ = jobs.list_inputs(src, "npy")
+    items = jobs.list_inputs(src, "npy")
     assert [(item.name, item.label) for item in items] == [("a.png", -1), ("b.png", -1)]
 
 

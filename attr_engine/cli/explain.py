@@ -252,7 +252,6 @@ class _Run:
     rank: int
     world: int
     limit: int
-    reader: Any = None
     classifier: Any = None
     explainer: Any = None
     config: Any = None  # the DataConfig every input is cut with
@@ -283,7 +282,7 @@ def _build_job(args: argparse.Namespace, stack: contextlib.ExitStack) -> _Run:
     # Resolved once: the canonical name is what the settings record and every check below compares.
     method = resolve_method(args.method or ("aha" if args.aha else "pullback"))
     options = parse_key_values(args.option, "--option")
-    items, reader = jobs.list_inputs(Path(args.input), args.format)
+    items = jobs.list_inputs(Path(args.input), args.format)
     _check_labels(args, items)
     # With Ray the driver only checks the settings and writes: the actors hold the classifier on their devices. The
     # build is seeded as every actor's is, so random weights (--model alone) are the same everywhere.
@@ -313,7 +312,7 @@ def _build_job(args: argparse.Namespace, stack: contextlib.ExitStack) -> _Run:
     )  # fmt: skip
     run = _claim_output(args, stack, job, classifier, config, rank, world)
     job = dataclasses.replace(job, fingerprint=run.settings["classifier"])
-    run.job, run.reader, run.classifier, run.explainer, run.config = job, reader, classifier, explainer, config
+    run.job, run.classifier, run.explainer, run.config = job, classifier, explainer, config
     run.gpus_per_actor = gpus_per_actor
     return _plan(args, run, items)
 
@@ -401,7 +400,7 @@ def _results(args: argparse.Namespace, run: _Run) -> Any:
             verbose=args.verbose,
         )  # fmt: skip
     return jobs.run(
-        run.job, run.todo, run.reader, classifier=run.classifier, explainer=run.explainer,
+        run.job, run.todo, classifier=run.classifier, explainer=run.explainer,
         config=run.config, limit=run.limit, workers=args.workers,
     )  # fmt: skip
 
