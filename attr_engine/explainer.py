@@ -51,6 +51,7 @@ __all__ = [
     "finite_maps",
     "get_explainer",
     "list_explainers",
+    "list_methods",
     "option_type",
     "reduce_channels",
     "register_explainer",
@@ -794,6 +795,25 @@ def resolve_explainer(name: str) -> str:
     if key in _REGISTRY or key in _plugin_entry_points():
         return key
     raise UnknownExplainerError(name, difflib.get_close_matches(key, list_explainers(), n=3))
+
+
+def list_methods() -> list[tuple[str, str, list[str]]]:
+    """``(name, description, aliases)`` of every registered method, plug-ins included (loaded, so their
+    descriptions are known; one that fails to load is listed with its error), then one row per name family
+    (``captum:<Class>``), sorted by name."""
+    _load_builtins()
+    rows = []
+    for key in sorted({*_REGISTRY, *_plugin_entry_points()}):
+        try:
+            spec = _REGISTRY.get(key) or _load_plugin(key)
+            description = spec.description if spec is not None else ""
+        except (ImportError, ValueError) as err:
+            description = f"(cannot be loaded: {err})"
+        rows.append((key, description, sorted(alias for alias, target in _ALIASES.items() if target == key)))
+    for prefix, factory in sorted(_FAMILIES.items()):
+        doc = (getattr(factory, "__doc__", None) or "").strip().splitlines()
+        rows.append((f"{prefix}:<Class>", doc[0] if doc else f"the {prefix} family", []))
+    return rows
 
 
 def get_explainer(name: str, classifier: nn.Module, **kwargs: Any) -> Explainer:

@@ -368,3 +368,16 @@ def test_any_spelling_of_aha_records_the_checkpoint_and_refinement(
     assert _explain(classifier_file, images, out, *extra) == 0
     settings = json.loads((out / "explain.json").read_text())
     assert settings["method"] == "aha" and len(settings["aha"]) == 16 and settings["refine_steps"] == 1
+
+
+def test_the_command_line_lists_methods_from_the_registry(capsys, monkeypatch):
+    from attr_engine import explainer as registry
+    from attr_engine.explainer import FunctionExplainer, list_explainers, register_explainer
+
+    registry.list_explainers()
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    register_explainer("test-listed", lambda clf, **kw: FunctionExplainer(clf, lambda x, t: x.mean(1)), description="d")
+    assert main(["methods"]) == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert set(list_explainers()) <= set(listed) and "test-listed" in listed and "captum:<Class>" in listed
+    assert "pa, pullback" in listed["pullback-ascent"]  # the aliases come from the registry too

@@ -88,11 +88,8 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
     p.add_argument(
         "--method",
         default=None,
-        help="aha (needs --aha), pullback (= pullback-ascent), pullback-soft, or any baseline: gradient, "
-        "saliency, gradient-x-input, integrated-gradients, smoothgrad, occlusion, grad-cam, rise, "
-        "attention-rollout, deeplift, guided-grad-cam, captum:<Class>; or a method registered with "
-        "attr_engine.register_explainer or a plugin (entry-point group attr_engine.explainers). "
-        "Default: aha with --aha, pullback without.",
+        help="the attribution method: any name 'attr-engine methods' lists (the registry's built-ins, aliases, "
+        "captum:<Class> and plug-ins); aha needs --aha. Default: aha with --aha, pullback (Pullback Ascent) without.",
     )
     p.add_argument("--aha", metavar="DIR", help="trained AHA checkpoint directory (train-aha or demo output)")
     p.add_argument("--refine-steps", type=int, default=0, help="AHA test-time refinement steps T (default 0)")
