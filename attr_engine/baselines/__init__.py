@@ -7,11 +7,12 @@
 |---|---|---|
 | gradient, saliency, gradient-x-input, integrated-gradients | gradient baselines | Captum |
 | smoothgrad, occlusion | noise / perturbation baselines | Captum |
-| grad-cam | Grad-CAM: CNN stages through Captum, ViT tokens here | Captum / here |
+| grad-cam | Grad-CAM: timm / torchvision CNN stages through Captum, timm ViT tokens here | Captum / here |
 | rise | RISE, masks on the device | here |
 | attention-rollout | attention rollout (ViTs) | here |
 | deeplift, guided-grad-cam | DeepLift (Shrikumar et al. 2017); Guided Grad-CAM on the last CNN stage | Captum |
 | captum:<ClassName> | any ``captum.attr`` class, Captum's option names (:class:`CaptumMethod`) | Captum |
+| gradcam:<ClassName> | any pytorch-grad-cam CAM class (:class:`GradCamMethod`; the ``cam`` extra) | pytorch-grad-cam |
 
 This project's own methods register themselves from their packages: ``aha`` (:class:`attr_engine.aha.AHA`) and
 ``pullback-soft`` / ``pullback-ascent`` (:class:`attr_engine.pullback.SemanticPullback`).
@@ -21,8 +22,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from attr_engine.baselines.cam import GradCAM, is_vit
+from attr_engine.baselines.cam import GradCAM, has_cnn_stage, is_vit
 from attr_engine.baselines.captum_any import CaptumMethod, captum_class
+from attr_engine.baselines.gradcam_any import GradCamMethod, gradcam_class
 from attr_engine.baselines.gradients import (
     Gradient,
     GradientXInput,
@@ -40,6 +42,7 @@ __all__ = [
     "AttentionRollout",
     "CaptumMethod",
     "GradCAM",
+    "GradCamMethod",
     "Gradient",
     "GradientXInput",
     "IntegratedGradients",
@@ -47,13 +50,15 @@ __all__ = [
     "Saliency",
     "SmoothGrad",
     "captum_class",
+    "gradcam_class",
     "is_vit",
     "rise_masks",
 ]
 
 
 def _grad_cam_applies(model: nn.Module) -> bool:
-    return is_vit(model) or bool(getattr(model, "feature_info", None))
+    """timm ViTs (their tokens), timm CNNs and torchvision CNNs (ResNet, VGG, ConvNeXt, ...: their last stage)."""
+    return is_vit(model) or has_cnn_stage(model)
 
 
 register_explainer("gradient", Gradient, description="signed input gradient, channel mean")
@@ -63,7 +68,10 @@ register_explainer("integrated-gradients", IntegratedGradients, description="Int
 register_explainer("smoothgrad", SmoothGrad, description="SmoothGrad of |gradient|, max over channels")
 register_explainer("occlusion", Occlusion, description="sliding-window occlusion to the mean colour")
 register_explainer(
-    "grad-cam", GradCAM, description="Grad-CAM, timm CNN stages or ViT tokens", applies=_grad_cam_applies
+    "grad-cam",
+    GradCAM,
+    description="Grad-CAM, timm / torchvision CNN stages or timm ViT tokens",
+    applies=_grad_cam_applies,
 )
 register_explainer("rise", RISE, description="RISE random masks")
 register_explainer("attention-rollout", AttentionRollout, description="attention rollout, timm ViTs", applies=is_vit)
@@ -79,3 +87,4 @@ register_explainer(
     applies=lambda model: bool(getattr(model, "feature_info", None)) and not is_vit(model),
 )
 register_explainer_family("captum", CaptumMethod)
+register_explainer_family("gradcam", GradCamMethod)

@@ -8,6 +8,13 @@ last block's input side). The patch tokens - the model's ``num_prefix_tokens`` (
 tokens) dropped - are weighted by their mean gradient per channel, summed over channels, passed through a ReLU and
 laid out on the patch grid timm reports (``patch_embed.dynamic_feat_size`` for dynamic-size models, else
 ``patch_embed.grid_size``), then upsampled bilinearly.
+
+The last CNN stage (:func:`cnn_stage`) is timm's ``feature_info[-1]``, or for torchvision classifiers (found by their
+structure: attr-engine never imports torchvision) ResNet's ``layer4``, the last stage of ``features`` (ConvNeXt,
+EfficientNet, MobileNet, DenseNet) or, where ``features`` is a flat list of layers (VGG, AlexNet), the ReLU after
+its last convolution: that ReLU is in place, so a hook on the Conv2d itself would see its output rectified after
+the fact while the gradient reaching it is the pre-ReLU one - the ReLU's output is the rectified feature map Grad-CAM
+weights, with its own gradient.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from torch import nn
 from attr_engine.baselines._captum import import_captum
 from attr_engine.explainer import Explainer
 
-__all__ = ["GradCAM", "find_layer", "is_vit", "layer_name"]
+__all__ = ["GradCAM", "cnn_stage", "find_layer", "has_cnn_stage", "is_torchvision_vit", "is_vit", "layer_name"]
 
 
 def is_vit(model: nn.Module) -> bool:
@@ -64,23 +71,78 @@ def token_grid(model: nn.Module, height: int, width: int) -> tuple[int, int]:
     return int(rows), int(cols)
 
 
-def _last_cnn_stage(model: nn.Module) -> nn.Module:
+def is_torchvision_vit(model: nn.Module) -> bool:
+    """Whether ``model`` is a torchvision ``VisionTransformer``: encoder blocks over a class token and patches."""
+    layers = getattr(getattr(model, "encoder", None), "layers", None)
+    return (
+        isinstance(layers, nn.Sequential)
+        and len(layers) > 0
+        and hasattr(model, "class_token")
+        and isinstance(getattr(model, "patch_size", None), int)
+    )
+
+
+# Layers a flat ``features`` list (torchvision VGG, AlexNet) is made of; a ``features`` of stages has other modules.
+_FLAT_LAYERS = (nn.Conv2d, nn.ReLU, nn.MaxPool2d, nn.BatchNorm2d, nn.Dropout, nn.AdaptiveAvgPool2d)
+
+
+def _torchvision_cnn_stage(model: nn.Module) -> nn.Module | None:
+    """The last feature stage of a torchvision CNN (see the module doc), or None if ``model`` has no such layout."""
+    stage = getattr(model, "layer4", None)
+    if isinstance(stage, nn.Module) and hasattr(model, "fc"):  # ResNet, ResNeXt, Wide ResNet
+        return stage
+    features = getattr(model, "features", None)
+    if not isinstance(features, nn.Sequential) or len(features) == 0 or is_torchvision_vit(model):
+        return None
+    children = list(features)
+    if not all(isinstance(c, _FLAT_LAYERS) for c in children):
+        return children[-1]  # ConvNeXt, EfficientNet, MobileNet, DenseNet: the last stage
+    convs = [i for i, c in enumerate(children) if isinstance(c, nn.Conv2d)]
+    if not convs:
+        return None
+    last = convs[-1]
+    after = children[last + 1] if last + 1 < len(children) else None
+    return after if isinstance(after, nn.ReLU) else children[last]
+
+
+def _timm_cnn_stage(model: nn.Module) -> nn.Module | None:
     info = getattr(model, "feature_info", None)
     if info:
         entry = info[-1]
         name = entry.get("module") if isinstance(entry, dict) else None
         if name:
             return model.get_submodule(name)
-    raise ValueError(
-        f"cannot find the last feature stage of {type(model).__name__} (no timm feature_info); pass layer="
-    )
+    return None
+
+
+def has_cnn_stage(model: nn.Module) -> bool:
+    """Whether :func:`cnn_stage` finds a last CNN stage in ``model`` (a timm CNN or a torchvision one)."""
+    return not is_vit(model) and (_timm_cnn_stage(model) or _torchvision_cnn_stage(model)) is not None
+
+
+def cnn_stage(model: nn.Module) -> nn.Module:
+    """The last feature stage of a timm CNN (``feature_info[-1]``) or a torchvision CNN (see the module doc).
+
+    Raises:
+        ValueError: neither layout; the message asks for ``layer=``.
+    """
+    stage = _timm_cnn_stage(model)
+    if stage is None:
+        stage = _torchvision_cnn_stage(model)
+    if stage is None:
+        raise ValueError(
+            f"cannot find the last feature stage of {type(model).__name__} (no timm feature_info, no torchvision "
+            "layer4 or features); pass layer="
+        )
+    return stage
 
 
 class GradCAM(Explainer):
     """Grad-CAM maps, upsampled to the input.
 
     Args:
-        classifier: a :class:`~attr_engine.classifier.Classifier` around a timm CNN or ViT.
+        classifier: a :class:`~attr_engine.classifier.Classifier` around a timm CNN or ViT or a torchvision CNN
+            (ResNet, VGG, ConvNeXt, ...: :func:`cnn_stage`).
         layer: the module to take activations from; None picks the last CNN stage, or for ViTs the last block
             (whose input tokens are used). Any other layer goes to Captum's ``LayerGradCam``, which expects a
             (B, C, h, w) output.
@@ -95,7 +157,7 @@ class GradCAM(Explainer):
         if isinstance(layer, str):
             layer = find_layer(classifier, layer)
         self.tokens = is_vit(model) and (layer is None or layer is model.blocks[-1])
-        self.layer = layer if layer is not None else (model.blocks[-1] if self.tokens else _last_cnn_stage(model))
+        self.layer = layer if layer is not None else (model.blocks[-1] if self.tokens else cnn_stage(model))
         self._layer_name = layer_name(classifier, self.layer)
         self._model: Any = model
 

@@ -5,7 +5,8 @@
 the class's constructor (``multiply_by_inputs``, ``eps``, ...) go to the constructor, the rest to every
 ``attribute`` call (``n_samples``, ``sliding_window_shapes``, ``interpolate_mode``, ...), and a call may override
 those. ``layer`` - for classes that take one - is a module or its name in the model (``"layer4"``,
-``"stages.3"``); by default the last feature stage of a timm CNN.
+``"stages.3"``); by default the last feature stage of a timm or torchvision CNN
+(:func:`~attr_engine.baselines.cam.cnn_stage`).
 
 Option values take the types of Captum's signature (a list where it wants a tuple - YAML and JSON have no tuples -
 an int where it wants a float; a string for a bool is refused), and when the method is built they also go through
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attr_engine.baselines._captum import import_captum
-from attr_engine.baselines.cam import _last_cnn_stage, find_layer, layer_name
+from attr_engine.baselines.cam import cnn_stage, find_layer, layer_name
 from attr_engine.explainer import Explainer, coerce_option, option_type, reduce_channels, resolve_baselines
 
 __all__ = ["CaptumMethod", "captum_class"]
@@ -148,7 +149,7 @@ class CaptumMethod(Explainer):
         self._layer_name: str | None = None
         if self._uses_layer:
             model = getattr(classifier, "model", classifier)
-            module = find_layer(classifier, layer) if isinstance(layer, str) else layer or _last_cnn_stage(model)
+            module = find_layer(classifier, layer) if isinstance(layer, str) else layer or cnn_stage(model)
             self._layer_name = layer_name(classifier, module)
         elif layer is not None:
             raise ValueError(f"{self.name} takes no layer")

@@ -89,7 +89,8 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
         "--method",
         default=None,
         help="the attribution method: any name 'attr-engine methods' lists (the registry's built-ins, aliases, "
-        "captum:<Class> and plug-ins); aha needs --aha. Default: aha with --aha, pullback (Pullback Ascent) without.",
+        "captum:<Class>, gradcam:<Class> and plug-ins); aha needs --aha. Default: aha with --aha, pullback (Pullback "
+        "Ascent) without.",
     )
     p.add_argument("--aha", metavar="DIR", help="trained AHA checkpoint directory (train-aha or demo output)")
     p.add_argument("--refine-steps", type=int, default=0, help="AHA test-time refinement steps T (default 0)")

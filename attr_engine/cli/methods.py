@@ -12,7 +12,7 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
         "methods",
         help="list the attribution methods explain --method and evaluate --methods take",
         description="Every method of the registry with its one-line description and aliases: the built-ins, the "
-        "name families (captum:<Class>) and the methods of installed plug-ins (entry-point group "
+        "name families (captum:<Class>, gradcam:<Class>) and the methods of installed plug-ins (entry-point group "
         "attr_engine.explainers).",
     )
     p.set_defaults(run=run_methods)
