@@ -48,6 +48,7 @@ __all__ = [
     "UnknownExplainerError",
     "coerce_option",
     "explain_batch",
+    "explain_batch_with_probability",
     "finite_maps",
     "get_explainer",
     "list_explainers",
@@ -641,6 +642,26 @@ def explain_batch(
     with torch.no_grad():
         target = classifier(x).argmax(1) if target is None else target.to(x.device)
     return explainer.attribute(x, target).float().cpu(), target
+
+
+def explain_batch_with_probability(
+    classifier: nn.Module, explainer: Explainer, x: torch.Tensor, target: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`explain_batch`, plus the classifier's softmax probability of each explained class.
+
+    One forward pass gives both the predicted classes (argmax of the logits, exactly as :func:`explain_batch`
+    picks them) and the probabilities, so captions cost nothing when the target is predicted and one no-grad
+    forward pass when it is given.
+
+    Returns:
+        (B, H, W) float32 maps on the CPU, the (B,) classes explained on ``x``'s device, and their (B,) float32
+        probabilities on the CPU.
+    """
+    with torch.no_grad():
+        logits = classifier(x)
+        target = logits.argmax(1) if target is None else target.to(x.device)
+        probability = logits.float().softmax(1).gather(1, target[:, None])[:, 0].cpu()
+    return explainer.attribute(x, target).float().cpu(), target, probability
 
 
 # The error of an input whose map came out NaN or infinite: reported and counted by both engines, never written.

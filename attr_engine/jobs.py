@@ -4,8 +4,9 @@ An :class:`AttributionJob` holds plain values (paths, names, options, a seed), s
 engine rebuilds the same classifier and method from it: :func:`build_classifier` and :func:`build_explainer`.
 :func:`run` is the local engine, a generator of one :class:`ItemResult` per input; the Ray engine
 (:mod:`attr_engine.ray`) maps the same job over batches of the same inputs and yields the same results. One
-:class:`OutputWriter` turns results into files for both: maps (``.npy`` / ``.safetensors``), overlays, a journal
-line per finished input and the recorded settings (:func:`job_settings`), each written atomically. The command
+:class:`OutputWriter` turns results into files for both: maps (``.npy`` / ``.safetensors``, float32 or float16, or
+none), per-input pictures (:func:`attr_engine.visualize.save_map_figure`), a journal line per finished input and
+the recorded settings (:func:`job_settings`), each written atomically. The command
 line (:mod:`attr_engine.cli`) only parses arguments into a job and prints; nothing here imports it.
 
 Inputs are the images under a folder, a file or an ImageFolder tree (:func:`list_inputs`): each image's outputs
@@ -39,6 +40,7 @@ __all__ = [
     "FRAMES",
     "JOURNAL_SUFFIX",
     "MANIFEST_DIR",
+    "MAP_DTYPES",
     "SETTINGS_FILE",
     "AttributionJob",
     "Item",
@@ -62,7 +64,10 @@ __all__ = [
 SETTINGS_FILE = "explain.json"
 MANIFEST_DIR = "_manifest"
 JOURNAL_SUFFIX = ".jsonl"
-FORMATS = ("npy", "safetensors")
+# "none": pictures only (explain --png), no map files.
+FORMATS = ("npy", "safetensors", "none")
+# float16 halves a map's bytes (about 3 significant digits, |values| up to 65504).
+MAP_DTYPES = ("float32", "float16")
 FRAMES = ("model", "image")
 
 
@@ -328,7 +333,8 @@ def list_inputs(src: Path, fmt: str) -> list[Item]:
     """Every input image under ``src`` in a stable order.
 
     Output names mirror the input tree with the image suffix replaced; inputs that would collide (``a.png`` and
-    ``a.jpg`` in one folder) keep their suffix in the name instead (``a.png.npy``).
+    ``a.jpg`` in one folder) keep their suffix in the name instead (``a.png.npy``). With ``fmt="none"`` (pictures
+    only) an item's ``map_file`` is its ``png_file``: the one output the journal and the manifest name.
     """
     from attr_engine.data import ImageFolderDataset
 
@@ -345,9 +351,8 @@ def list_inputs(src: Path, fmt: str) -> list[Item]:
     items = []
     for (r, label), (path, _) in zip(rel, reader.samples, strict=True):
         base = r.with_suffix("") if stems[r.with_suffix("")] == 1 else r
-        items.append(
-            Item(path, r.as_posix(), label, Path(f"{base.as_posix()}.{fmt}"), Path(f"{base.as_posix()}.overlay.png"))
-        )
+        png = Path(f"{base.as_posix()}.overlay.png")
+        items.append(Item(path, r.as_posix(), label, png if fmt == "none" else Path(f"{base.as_posix()}.{fmt}"), png))
     return items
 
 
@@ -357,6 +362,7 @@ class ItemResult:
 
     ``error`` is ``None``, why the image could not be read, or :data:`attr_engine.explainer.NONFINITE_MAP` when the
     method's map had NaN or infinite values (:attr:`failed`: the input was good, the method was not).
+    ``probability`` is the classifier's softmax probability of ``target`` (NaN when unknown), for the caption.
     """
 
     item: Item
@@ -364,6 +370,7 @@ class ItemResult:
     shown: torch.Tensor | None = None
     target: int = -1
     error: str | None = None
+    probability: float = float("nan")
 
     @property
     def failed(self) -> bool:
@@ -449,7 +456,7 @@ def run(
     import torch
     from torch.utils.data import DataLoader
 
-    from attr_engine.explainer import NONFINITE_MAP, explain_batch, finite_maps
+    from attr_engine.explainer import NONFINITE_MAP, explain_batch_with_probability, finite_maps
     from attr_engine.imageops import to_image_frame
 
     keep_original = job.return_images and job.frame == "image"
@@ -478,18 +485,19 @@ def run(
             continue
         x = torch.stack([entry.x for entry in good]).to(device)
         target = _target_tensor(job.target, [entry.item for entry in good])
-        maps, target = explain_batch(classifier, explainer, x, target)
+        maps, target, probability = explain_batch_with_probability(classifier, explainer, x, target)
         finite = finite_maps(maps)
-        for entry, image, amap, t, ok in zip(good, x.cpu(), maps, target.tolist(), finite, strict=True):
+        rows = zip(good, x.cpu(), maps, target.tolist(), probability.tolist(), finite, strict=True)
+        for entry, image, amap, t, p, ok in rows:
             if not ok:
-                yield ItemResult(entry.item, target=t, error=NONFINITE_MAP)
+                yield ItemResult(entry.item, target=t, error=NONFINITE_MAP, probability=p)
                 continue
             if job.frame == "image":
                 amap = to_image_frame(amap, entry.size, config)
             shown = None
             if job.return_images:
                 shown = image if job.frame == "model" else entry.original.float().div_(255)
-            yield ItemResult(entry.item, amap, shown, t)
+            yield ItemResult(entry.item, amap, shown, t, probability=p)
         left -= sum(finite)  # --limit counts maps written
 
 
@@ -498,10 +506,15 @@ def run(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def job_settings(job: AttributionJob, fmt: str, classifier: Classifier, config: DataConfig) -> dict[str, Any]:
+def job_settings(
+    job: AttributionJob, fmt: str, classifier: Classifier, config: DataConfig, map_dtype: str = "float32"
+) -> dict[str, Any]:
     """What an output directory records (``explain.json``) and every journal line's digest stands for: the
     method, its options, target, format, preprocessing, frame, the classifier's weights and, for AHA, its weights
-    and refinement. Two runs with the same settings make the same maps."""
+    and refinement; ``map_dtype`` only when it is not float32 (so directories written before it existed keep
+    their digest). Two runs with the same settings make the same maps."""
+    if map_dtype not in MAP_DTYPES:
+        raise ValueError(f"map_dtype must be one of {', '.join(MAP_DTYPES)}, got {map_dtype!r}")
     from attr_engine.aha.persistence import classifier_fingerprint
     from attr_engine.explainer import resolve_explainer
 
@@ -516,6 +529,8 @@ def job_settings(job: AttributionJob, fmt: str, classifier: Classifier, config: 
         "frame": job.frame,
         "classifier": classifier_fingerprint(classifier),
     }
+    if map_dtype != "float32":
+        settings["map_dtype"] = map_dtype
     if method == "aha":
         from attr_engine.aha.persistence import WEIGHTS_FILE, checkpoint_dir
 
@@ -551,9 +566,11 @@ def check_recorded_settings(out: Path, settings: dict[str, Any], overwrite: bool
             previous = None  # unreadable: the journal still tells which maps match these settings
         if not isinstance(previous, dict):
             return
-        changed = [k for k in settings if previous.get(k) != settings[k]]
+        # Keys either side: a setting recorded only when it is not the default (map_dtype) counts when it is gone.
+        keys = [*settings, *(k for k in previous if k not in settings)]
+        changed = [k for k in keys if previous.get(k) != settings.get(k)]
         if changed:
-            diff = ", ".join(f"{k} {previous.get(k)!r} -> {settings[k]!r}" for k in changed)
+            diff = ", ".join(f"{k} {previous.get(k)!r} -> {settings.get(k)!r}" for k in changed)
             raise ValueError(
                 f"{out} holds maps made with other settings ({diff}); use another --out, or --overwrite to redo them"
             )
@@ -581,9 +598,10 @@ def read_journal(out: Path) -> dict[str, str]:
     return {key: digest for key, (_, digest) in newest.items()}
 
 
-def valid_output(path: Path, fmt: str, shape: tuple[int, int] | None = None) -> bool:
-    """Whether ``path`` reads back as a complete 2-D float32 map (``fmt``) - of ``shape`` when given (maps in an
-    image's frame take that image's size) - or a complete PNG (``"png"``)."""
+def valid_output(path: Path, fmt: str, shape: tuple[int, int] | None = None, dtype: str = "float32") -> bool:
+    """Whether ``path`` reads back as a complete 2-D map of ``dtype`` (``fmt`` ``"npy"`` / ``"safetensors"``) - of
+    ``shape`` when given (maps in an image's frame take that image's size) - or a complete PNG (``"png"``, and
+    ``"none"``: a pictures-only run's one output is its picture)."""
 
     def fits(got: tuple[int, ...]) -> bool:
         return len(got) == 2 and (shape is None or got == tuple(shape))
@@ -595,12 +613,15 @@ def valid_output(path: Path, fmt: str, shape: tuple[int, int] | None = None) -> 
     try:
         if fmt == "npy":
             arr = np.load(path, mmap_mode="r", allow_pickle=False)
-            return fits(arr.shape) and arr.dtype == np.float32
+            return fits(arr.shape) and arr.dtype == np.dtype(dtype)
         if fmt == "safetensors":
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt") as f:
-                return "map" in f.keys() and fits(tuple(f.get_slice("map").get_shape()))
+                if "map" not in f.keys():
+                    return False
+                stored = f.get_slice("map")
+                return fits(tuple(stored.get_shape())) and stored.get_dtype() == _SAFETENSORS_DTYPES[dtype]
         from PIL import Image
 
         with Image.open(path) as im:
@@ -608,6 +629,9 @@ def valid_output(path: Path, fmt: str, shape: tuple[int, int] | None = None) -> 
         return True
     except Exception:  # any failure to read it back means "not a usable output"
         return False
+
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16"}
 
 
 def remove_stale_temporaries(out: Path, items: list[Item], rank: int, world: int) -> int:
@@ -629,13 +653,18 @@ def remove_stale_temporaries(out: Path, items: list[Item], rank: int, world: int
 
 
 class OutputWriter:
-    """Writes one input's outputs (map, overlay) atomically, then its journal line: the same for both engines.
+    """Writes one input's outputs (map, picture) atomically, then its journal line: the same for both engines.
 
     Args:
         out: the output directory.
         settings: :func:`job_settings` (recorded in ``explain.json`` once the first map exists).
         journal: the open journal file (``OUT/_manifest/rank<R>-of-<N>.jsonl``).
-        fmt: map format (:data:`FORMATS`); ``png``: also an overlay; ``cmap`` / ``alpha``: its colours.
+        fmt: map format (:data:`FORMATS`; ``"none"``: no map file, the picture alone); ``map_dtype``: the map's
+            stored dtype (:data:`MAP_DTYPES`).
+        png: also the per-input picture (:func:`attr_engine.visualize.save_map_figure`); ``cmap`` / ``alpha``: its
+            colours, ``layout`` (``"overlay"`` / ``"side-by-side"``) and ``max_side``: its arrangement and size.
+        class_names: ``{class id: name}`` for the captions, where the names are known to be the classifier's
+            (the caption says ``class 3`` otherwise).
     """
 
     def __init__(
@@ -648,9 +677,17 @@ class OutputWriter:
         png: bool,
         cmap: str | None = None,
         alpha: float = 0.7,
+        map_dtype: str = "float32",
+        layout: str = "overlay",
+        max_side: int = 2048,
+        class_names: Mapping[int, str] | None = None,
     ) -> None:
+        if fmt == "none" and not png:
+            raise ValueError("format 'none' writes pictures only: it needs png=True")
         self.out, self.settings, self.journal = out, settings, journal
         self.fmt, self.png, self.cmap, self.alpha = fmt, png, cmap, alpha
+        self.map_dtype, self.layout, self.max_side = map_dtype, layout, max_side
+        self.class_names = dict(class_names or {})
         self.digest = settings_digest(settings)
         self.written: list[dict[str, Any]] = []
         self.recorded = False
@@ -659,17 +696,16 @@ class OutputWriter:
         """``result.map``: the map in its output frame, ``(h, w)`` (image) or ``(H, W)`` (model); ``result.shown``:
         the ``(3, ., .)`` float picture in [0, 1] its overlay is drawn on (needed with ``png``)."""
         from attr_engine.checkpoint import save_json
-        from attr_engine.visualize import save_overlay
 
         item, amap = result.item, result.map
         assert amap is not None  # only results with a map are written
-        meta = {"input": item.name, "method": self.settings["method"], "target": str(result.target)}
-        if self.settings["frame"] == "image":
-            meta["frame"] = "image"
-        _write_map(amap.contiguous(), self.out / item.map_file, self.fmt, meta)
+        if self.fmt != "none":
+            meta = {"input": item.name, "method": self.settings["method"], "target": str(result.target)}
+            if self.settings["frame"] == "image":
+                meta["frame"] = "image"
+            _write_map(_stored(amap.contiguous(), self.map_dtype, item.name), self.out / item.map_file, self.fmt, meta)
         if self.png:
-            assert result.shown is not None  # the engines return the shown image exactly when overlays are asked for
-            save_overlay(result.shown, amap, self.out / item.png_file, cmap=self.cmap, alpha=self.alpha)
+            self._picture(result)
         # One line per finished input, after its files are in place: a kill before it redoes the input.
         line = {"output": item.map_file.as_posix(), "digest": self.digest, "time_ns": time.time_ns()}
         self.journal.write(json.dumps(line) + "\n")
@@ -679,6 +715,32 @@ class OutputWriter:
             save_json(self.settings, self.out / SETTINGS_FILE)
             self.recorded = True
         self.written.append({"input": item.name, "output": item.map_file.as_posix(), "target": result.target})
+
+    def _picture(self, result: ItemResult) -> None:
+        """The input's picture: overlay, colour bar and the caption (method, class, probability)."""
+        from attr_engine.visualize import figure_caption, save_map_figure
+
+        assert result.shown is not None and result.map is not None  # the engines return the shown image with png
+        name = self.class_names.get(result.target)
+        caption = figure_caption(self.settings["method"], result.target, result.probability, name)
+        save_map_figure(
+            result.shown, result.map, self.out / result.item.png_file, caption=caption, layout=self.layout,
+            cmap=self.cmap, alpha=self.alpha, max_side=self.max_side,
+        )  # fmt: skip
+
+
+def _stored(amap: torch.Tensor, dtype: str, name: str) -> torch.Tensor:
+    """``amap (h, w)`` float32 as it is stored: itself, or float16 (NaN stays NaN); a map whose finite values
+    overflow float16 is refused rather than stored as infinities."""
+    import torch
+
+    if dtype == "float32":
+        return amap
+    half = amap.half()
+    if not torch.equal(torch.isfinite(half), torch.isfinite(amap)):
+        big = float(amap[torch.isfinite(amap)].abs().max())
+        raise ValueError(f"{name}: map values up to {big:.3g} exceed float16's range (65504): use --map-dtype float32")
+    return half
 
 
 def _write_map(amap: torch.Tensor, path: Path, fmt: str, meta: dict[str, str]) -> None:

@@ -30,7 +30,8 @@ Every image is cut as the classifier expects (timm's data config: :func:`attr_en
 same :func:`attr_engine.imageops.prepare_input` the local engine uses). Other input columns pass through.
 
 **Output columns**: ``map`` (float32, ``(H, W)`` in the classifier's frame, or ``(h, w)`` in the image's own with
-``frame="image"``, the border the crop cut away ``NaN``), ``target`` (the class explained), ``height`` / ``width``
+``frame="image"``, the border the crop cut away ``NaN``), ``target`` (the class explained), ``probability`` (the
+classifier's softmax probability of that class, float32; ``NaN`` for unreadable rows), ``height`` / ``width``
 (the image's size), ``error`` (``""``, or why the image could not be read: such a row has a ``(0, 0)`` map and
 target ``-1``, and the job goes on; or :data:`attr_engine.explainer.NONFINITE_MAP` when the method's map had NaN
 or infinite values: a ``(0, 0)`` map with its target), optionally ``deletion`` / ``insertion`` (AUCs of the map,
@@ -145,7 +146,7 @@ class BatchAttributor:
         import numpy as np
         import torch
 
-        from attr_engine.explainer import NONFINITE_MAP, explain_batch, finite_maps
+        from attr_engine.explainer import NONFINITE_MAP, explain_batch_with_probability, finite_maps
         from attr_engine.imageops import prepare_input, to_image_frame
         from attr_engine.metrics import deletion_insertion
 
@@ -169,17 +170,19 @@ class BatchAttributor:
         maps: list[np.ndarray] = [empty] * n
         images: list[np.ndarray] = [np.zeros((0, 0, 0), np.uint8 if keep_original else np.float32)] * n
         targets = np.full(n, -1, np.int64)
+        probabilities = np.full(n, np.nan, np.float32)
         sizes = np.zeros((n, 2), np.int64)
         deletion, insertion = np.full(n, np.nan, np.float32), np.full(n, np.nan, np.float32)
         if good:
             x = torch.stack([prepared[i][0] for i in good]).to(self.device)
             target = self._targets(batch, good)
-            model_maps, target = explain_batch(self.classifier, self.explainer, x, target)
+            model_maps, target, probability = explain_batch_with_probability(self.classifier, self.explainer, x, target)
             if job.scores:
                 di = deletion_insertion(self.classifier, x, model_maps, target)
                 deletion[good] = di.deletion.float().cpu().numpy()
                 insertion[good] = di.insertion.float().cpu().numpy()
             targets[good] = target.cpu().numpy()
+            probabilities[good] = probability.numpy()
             inputs = x.cpu()
             finite = finite_maps(model_maps)
             for k, i in enumerate(good):
@@ -194,7 +197,8 @@ class BatchAttributor:
                     images[i] = (original if keep_original else inputs[k]).numpy()
 
         out: dict[str, Any] = {name: column for name, column in batch.items() if name not in ("image", "bytes")}
-        out.update(map=maps, target=targets, height=sizes[:, 0], width=sizes[:, 1], error=np.array(errors))
+        out.update(map=maps, target=targets, probability=probabilities, height=sizes[:, 0], width=sizes[:, 1],
+                   error=np.array(errors))  # fmt: skip
         if job.scores:
             out.update(deletion=deletion, insertion=insertion)
         if job.return_images:
@@ -535,4 +539,6 @@ def _rows(ds: ray.data.Dataset, items: list[Item], job: AttributionJob) -> Itera
         if job.return_images:
             picture = torch.from_numpy(row["original" if job.frame == "image" else "input"].copy())
             shown = picture.float().div_(255) if picture.dtype == torch.uint8 else picture
-        yield ItemResult(item, torch.from_numpy(row["map"].copy()), shown, int(row["target"]))
+        # float32 in the column, as in the local engine's tensor: the same double, the same caption.
+        probability = float(row["probability"])
+        yield ItemResult(item, torch.from_numpy(row["map"].copy()), shown, int(row["target"]), probability=probability)

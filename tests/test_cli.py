@@ -20,6 +20,7 @@ from attr_engine.checkpoint import load_safetensors, save_safetensors
 from attr_engine.cli import explain as explain_cli
 from attr_engine.cli import main
 from attr_engine.distributed import process_rank, shard
+from attr_engine.visualize import figure_layout
 from tests.eval_helpers import single_thread, untrained_resnet_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,8 +111,10 @@ def test_explain_folder_with_a_corrupt_file_writes_the_others(checkpoint, tmp_pa
         # In the image's frame (40 x 36): the rows the 32 px centre crop cut away are NaN, the rest is finite.
         assert amap.shape == (40, 36) and amap.dtype == np.float32
         assert np.isnan(amap[0]).all() and np.isfinite(amap[2:38]).all()
-        overlay = Image.open(out / Path(name).with_suffix(".overlay.png"))
-        assert overlay.size == (36, 40)
+        # The picture: the 36 px short side drawn at 256 px, with its colour bar and caption around it.
+        geo = figure_layout(40, 36)
+        assert geo.panels[0][2:] == (256, 284)
+        assert Image.open(out / Path(name).with_suffix(".overlay.png")).size == (geo.width, geo.height)
     assert not (out / "dog" / "broken.npy").exists()
     (manifest,) = _manifests(out)
     assert sorted(w["input"] for w in manifest["written"]) == sorted(good)
@@ -510,7 +513,7 @@ def test_model_frame_keeps_the_crop_and_limit_counts_maps_written(checkpoint, tm
     out = tmp_path / "maps"
     assert _explain(checkpoint, src, out, "--model-frame", "--limit", "2", "--png") == 0
     assert np.load(out / "a.npy").shape == (32, 32) and np.load(out / "c.npy").shape == (32, 32)
-    assert Image.open(out / "a.overlay.png").size == (32, 32)
+    assert Image.open(out / "a.overlay.png").size == (figure_layout(32, 32).width, figure_layout(32, 32).height)
     assert not (out / "d.npy").exists()
     summary = capsys.readouterr().out
     assert "2 gradient map(s) written" in summary and "1 unreadable" in summary, summary
@@ -548,3 +551,117 @@ def test_random_weights_warn_and_offline_pretrained_fails_in_one_line(tmp_path, 
     assert time.perf_counter() - start < 20
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "hub is unreachable" in err[0], err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pictures, pictures only, float16 maps
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_format_none_writes_pictures_only_and_resumes_on_them(checkpoint, tmp_path, capsys):
+    src, out = tmp_path / "images", tmp_path / "maps"
+    _images(src, ["a.png", "b.png", "c.png"])
+    assert _explain(checkpoint, src, out, "--format", "none", "--png") == 0
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == [
+        "a.overlay.png", "b.overlay.png", "c.overlay.png", "explain.json",
+    ]  # fmt: skip
+    settings = json.loads((out / "explain.json").read_text())
+    assert settings["format"] == "none" and "map_dtype" not in settings
+    (manifest,) = _manifests(out)
+    assert [w["output"] for w in manifest["written"]] == ["a.overlay.png", "b.overlay.png", "c.overlay.png"]
+    capsys.readouterr()
+    # Done means "the picture is valid": nothing redone; a damaged picture is redone.
+    assert _explain(checkpoint, src, out, "--format", "none", "--png") == 0
+    assert "3 already done" in capsys.readouterr().out
+    data = (out / "b.overlay.png").read_bytes()
+    (out / "b.overlay.png").write_bytes(data[: len(data) // 2])
+    assert _explain(checkpoint, src, out, "--format", "none", "--png") == 0
+    assert "1 gradient map(s) written" in capsys.readouterr().out
+    Image.open(out / "b.overlay.png").verify()
+    # Nothing to write, or a map dtype without maps: refused before anything is done.
+    assert _explain(checkpoint, src, tmp_path / "x", "--format", "none") == 2
+    assert _explain(checkpoint, src, tmp_path / "x", "--format", "none", "--png", "--map-dtype", "float16") == 2
+    assert _explain(checkpoint, src, tmp_path / "x", "--png", "--png-max-side", "100") == 2
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").rglob("*.png"))
+
+
+@pytest.mark.parametrize("fmt", ["npy", "safetensors"])
+def test_float16_maps_halve_the_bytes_and_count_as_done(checkpoint, tmp_path, capsys, fmt):
+    src = tmp_path / "images"
+    _images(src, ["a.png", "b.png"])
+    full, half = tmp_path / "f32", tmp_path / "f16"
+    assert _explain(checkpoint, src, full, "--format", fmt) == 0
+    assert _explain(checkpoint, src, half, "--format", fmt, "--map-dtype", "float16") == 0
+    assert "map_dtype" not in json.loads((full / "explain.json").read_text())  # the default adds no key
+    assert json.loads((half / "explain.json").read_text())["map_dtype"] == "float16"
+    if fmt == "npy":
+        a32, a16 = np.load(full / "a.npy"), np.load(half / "a.npy")
+    else:
+        a32, a16 = (
+            load_safetensors(full / "a.safetensors")[0]["map"].numpy(),
+            load_safetensors(half / "a.safetensors")[0]["map"].numpy(),
+        )
+    assert a32.dtype == np.float32 and a16.dtype == np.float16 and a16.shape == a32.shape == (40, 36)
+    np.testing.assert_array_equal(a16, a32.astype(np.float16))  # NaN border included
+    assert (half / f"a.{fmt}").stat().st_size < 0.6 * (full / f"a.{fmt}").stat().st_size
+    capsys.readouterr()
+    assert _explain(checkpoint, src, half, "--format", fmt, "--map-dtype", "float16") == 0
+    assert "2 already done" in capsys.readouterr().out
+    # float32 into the float16 directory is another setting: refused, not mixed.
+    assert _explain(checkpoint, src, half, "--format", fmt) == 2
+    assert "map_dtype" in capsys.readouterr().err
+
+
+def test_pictures_caption_class_names_only_when_they_are_the_classifiers(checkpoint, tmp_path, monkeypatch):
+    import attr_engine.visualize as visualize
+
+    captions: list[str] = []
+    draw = visualize.save_map_figure
+
+    def spy(*args, **kwargs):
+        captions.append(kwargs["caption"])
+        return draw(*args, **kwargs)
+
+    monkeypatch.setattr(visualize, "save_map_figure", spy)
+    src = tmp_path / "images"
+    _images(src, ["cat/a.png", "dog/b.png"])
+    assert _explain(checkpoint, src, tmp_path / "label", "--png", "--target", "label") == 0
+    assert [c.rsplit(" · p = ", 1)[0] for c in captions] == ["gradient · cat (class 0)", "gradient · dog (class 1)"]
+    probability = float(captions[0].rsplit(" · p = ", 1)[1])
+    assert 0 < probability < 1
+    captions.clear()
+    # The tree's folders say nothing about class 4 of this classifier: the id alone.
+    assert _explain(checkpoint, src, tmp_path / "four", "--png", "--target", "4") == 0
+    assert [c.rsplit(" · p = ", 1)[0] for c in captions] == ["gradient · class 4"] * 2
+    captions.clear()
+    # A train-classifier checkpoint's train.json names its classes: used for the predicted class.
+    trained = tmp_path / "clf"
+    trained.mkdir()
+    (trained / "classifier.safetensors").write_bytes(checkpoint.read_bytes())
+    names = ["circle", "square", "triangle", "star", "cross", "ring"]
+    model_name = load_safetensors(checkpoint)[1]["model_name"]
+    (trained / "train.json").write_text(json.dumps({"model": model_name, "classes": names}))
+    trained_args = ["explain", str(src), "--classifier", str(trained / "classifier.safetensors"), "--no-progress",
+                    "--method", "gradient", "--png"]  # fmt: skip
+    assert main([*trained_args, "--out", str(tmp_path / "named")]) == 0
+    for caption in captions:
+        cls = int(caption.split("(class ")[1].split(")")[0])
+        assert caption.startswith(f"gradient · {names[cls]} (class {cls}) · p = "), caption
+    captions.clear()
+    # A train.json of another model (or another number of classes) is not this classifier's: ids only.
+    (trained / "train.json").write_text(json.dumps({"model": "other-net", "classes": names}))
+    assert main([*trained_args, "--out", str(tmp_path / "unnamed")]) == 0
+    assert all(c.split(" · ")[1].startswith("class ") for c in captions), captions
+
+
+def test_picture_layout_and_size_flags(checkpoint, tmp_path):
+    src = tmp_path / "images"
+    _images(src, ["a.png"], size=(300, 1000))
+    assert _explain(checkpoint, src, tmp_path / "side", "--png", "--png-layout", "side-by-side") == 0
+    geo = figure_layout(300, 1000, layout="side-by-side")
+    assert Image.open(tmp_path / "side" / "a.overlay.png").size == (geo.width, geo.height)
+    assert _explain(checkpoint, src, tmp_path / "small", "--png", "--png-max-side", "512") == 0
+    with Image.open(tmp_path / "small" / "a.overlay.png") as im:
+        assert max(im.size) <= 512 and im.size == (figure_layout(300, 1000, max_side=512).width,
+                                                   figure_layout(300, 1000, max_side=512).height)  # fmt: skip
+    assert np.load(tmp_path / "small" / "a.npy").shape == (300, 1000)  # the map keeps the image's resolution

@@ -1,6 +1,10 @@
 """``explain``: attribution maps for an image file, a folder or an ImageFolder tree, resumable and shardable.
 
-Every input ``root/a/b.jpg`` gets ``OUT/a/b.npy`` (or ``.safetensors``) and, with ``--png``, ``OUT/a/b.overlay.png``.
+Every input ``root/a/b.jpg`` gets ``OUT/a/b.npy`` (or ``.safetensors``; ``--map-dtype float16`` halves it) and, with
+``--png``, ``OUT/a/b.overlay.png``: the overlay with its colour bar and a caption (method, class, probability),
+optionally beside the image (``--png-layout side-by-side``), drawn at a display size (short side at least 256 px,
+the picture's long side at most ``--png-max-side``, 2048 by default; bilinear resizing), while the map keeps the
+image's own resolution. ``--format none --png`` writes the pictures alone.
 The classifier sees the image as timm's evaluation transform cuts it (resize the shorter side to
 ``input / crop_pct``, centre crop, the model's interpolation: :func:`attr_engine.imageops.data_config`); the map
 is then written in the original image's frame, pixel for pixel aligned with it, the border the crop cut away
@@ -63,7 +67,10 @@ from attr_engine.cli._common import (
 SETTINGS_FILE = "explain.json"
 MANIFEST_DIR = "_manifest"
 JOURNAL_SUFFIX = ".jsonl"
-FORMATS = ("npy", "safetensors")
+FORMATS = ("npy", "safetensors", "none")
+MAP_DTYPES = ("float32", "float16")
+PNG_LAYOUTS = ("overlay", "side-by-side")
+MIN_PNG_MAX_SIDE = 256
 ENGINES = ("local", "ray")
 
 # torch and the job layer are imported where they are used: `attr-engine explain --help` must not load them.
@@ -128,8 +135,38 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--format", choices=FORMATS, default="npy", help="map file format: npy (default) or safetensors")
-    p.add_argument("--png", action="store_true", help="also write a heat-map overlay PNG per image")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="npy",
+        help="map file format: npy (default), safetensors, or none (no map files: the --png pictures alone)",
+    )
+    p.add_argument(
+        "--map-dtype",
+        choices=MAP_DTYPES,
+        default="float32",
+        help="dtype of the stored maps: float32 (default) or float16 (half the bytes; about 3 significant digits, "
+        "values below 6e-5 lose precision, a map beyond 65504 is refused)",
+    )
+    p.add_argument(
+        "--png",
+        action="store_true",
+        help="also write a picture per image: the heat-map overlay with a colour bar and a caption (method, class, "
+        "probability), at least 256 px on its short side (bilinear resizing)",
+    )
+    p.add_argument(
+        "--png-layout",
+        choices=PNG_LAYOUTS,
+        default="overlay",
+        help="with --png: overlay (default) or side-by-side (the image, then the overlay)",
+    )
+    p.add_argument(
+        "--png-max-side",
+        type=int,
+        default=2048,
+        help="with --png: no side of a picture is longer than this many pixels (default 2048); the map file keeps "
+        "the image's own resolution",
+    )
     p.add_argument(
         "--cmap",
         help="matplotlib colour map of the overlays (default: RdBu_r, centred at 0, for signed maps; inferno for "
@@ -194,6 +231,12 @@ def _check_args(args: argparse.Namespace) -> tuple[int, int]:
     from attr_engine.distributed import process_rank
 
     _check_engine_args(args)
+    if args.format == "none" and not args.png:
+        raise UsageError("--format none writes no maps: it needs --png (the pictures are then the only output)")
+    if args.format == "none" and args.map_dtype != "float32":
+        raise UsageError("--map-dtype applies to map files: not with --format none")
+    if args.png_max_side < MIN_PNG_MAX_SIDE:
+        raise UsageError(f"--png-max-side must be >= {MIN_PNG_MAX_SIDE}, got {args.png_max_side}")
     if not 0.0 <= args.alpha <= 1.0:
         raise UsageError(f"--alpha must be between 0 and 1, got {args.alpha}")
     if args.cmap is not None:
@@ -255,6 +298,7 @@ class _Run:
     config: Any = None  # the DataConfig every input is cut with
     gpus_per_actor: float = 0.0
     sharing: int = 0  # other live jobs of the same settings in the output directory
+    class_names: dict[int, str] = field(default_factory=dict)  # the captions' names, where known
     written: list[dict[str, Any]] = field(default_factory=list)
     unreadable: list[dict[str, str]] = field(default_factory=list)
     failed: list[dict[str, str]] = field(default_factory=list)
@@ -312,7 +356,39 @@ def _build_job(args: argparse.Namespace, stack: contextlib.ExitStack) -> _Run:
     job = dataclasses.replace(job, fingerprint=run.settings["classifier"])
     run.job, run.classifier, run.explainer, run.config = job, classifier, explainer, config
     run.gpus_per_actor = gpus_per_actor
+    run.class_names = _class_names(args, items, classifier)
     return _plan(args, run, items)
+
+
+def _class_names(args: argparse.Namespace, items: list[Item], classifier: Any) -> dict[int, str]:
+    """``{class id: name}`` for the captions, only where the names are known to be the classifier's classes.
+
+    With ``--target label`` the explained class *is* an ImageFolder label, so its folder's name is that class's
+    name (the user asserts the folders are the classifier's classes by asking for labels). A ``--classifier``
+    checkpoint written by ``train-classifier`` has a ``train.json`` beside it listing the classes it was trained
+    on: used when it names this model and as many classes as the classifier has. Otherwise none: the caption
+    says ``class 3``.
+    """
+    if not args.png:
+        return {}
+    if args.target == "label":
+        return {item.label: Path(item.name).parts[0] for item in items if item.label >= 0}
+    if args.classifier:
+        import json
+
+        try:
+            record = json.loads((Path(args.classifier).parent / "train.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        classes = record.get("classes") if isinstance(record, dict) else None
+        if (
+            isinstance(classes, list)
+            and len(classes) == classifier.num_classes
+            and all(isinstance(c, str) for c in classes)
+            and record.get("model") == getattr(classifier, "model_name", None)
+        ):
+            return dict(enumerate(classes))
+    return {}
 
 
 def _claim_output(
@@ -328,7 +404,7 @@ def _claim_output(
     from attr_engine import jobs
 
     out = check_writable_dir(Path(args.out))
-    settings = jobs.job_settings(job, args.format, classifier, config)
+    settings = jobs.job_settings(job, args.format, classifier, config, map_dtype=args.map_dtype)
     digest = jobs.settings_digest(settings)
     # One directory, one digest: a live job with other settings refuses this one, and the recorded settings are
     # compared under the same lock, so two jobs started together cannot both pass.
@@ -363,7 +439,7 @@ def _plan(args: argparse.Namespace, run: _Run, items: list[Item]) -> _Run:
     def done(item: Item) -> bool:
         if journal.get(item.map_file.as_posix()) != digest:
             return False  # missing, or made with other settings (an interrupted --overwrite)
-        if not jobs.valid_output(run.out / item.map_file, args.format, model_shape):
+        if not jobs.valid_output(run.out / item.map_file, args.format, model_shape, args.map_dtype):
             return False
         return not args.png or jobs.valid_output(run.out / item.png_file, "png")
 
@@ -417,8 +493,10 @@ def _work(args: argparse.Namespace, run: _Run) -> float:
     journal_path.parent.mkdir(parents=True, exist_ok=True)
     with bar, open(journal_path, "a", encoding="utf-8") as journal:
         writer = jobs.OutputWriter(
-            run.out, run.settings, journal, fmt=args.format, png=args.png, cmap=args.cmap, alpha=args.alpha
-        )
+            run.out, run.settings, journal, fmt=args.format, png=args.png, cmap=args.cmap, alpha=args.alpha,
+            map_dtype=args.map_dtype, layout=args.png_layout, max_side=args.png_max_side,
+            class_names=run.class_names,
+        )  # fmt: skip
         run.written = writer.written
         for result in _results(args, run):
             _take(result, run, writer, bar, Path(args.input).is_dir())
