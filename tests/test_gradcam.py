@@ -300,3 +300,12 @@ def test_project_grad_cam_applies_to_torchvision_cnns_and_refuses_their_vits(mod
     with pytest.raises(ValueError, match="'grad-cam' does not apply to VisionTransformer"):
         get_explainer("grad-cam", models["tv_vit"])
     assert cam_layer(models["tv_vit"].model) is models["tv_vit"].model.encoder.layers[-1].ln_1
+
+
+def test_deeplift_on_a_model_that_reuses_its_relu_is_a_clear_error():
+    """torchvision's ResNet blocks call one ReLU module twice: Captum's DeepLift fails deep inside; said in one
+    ValueError naming the reason instead of a RuntimeError traceback."""
+    torch.manual_seed(0)
+    clf = Classifier(torchvision.models.resnet18(num_classes=3), (0.5,) * 3, (0.25,) * 3, input_size=(3, 32, 32))
+    with pytest.raises(ValueError, match="used more than once in its forward pass"):
+        get_explainer("deeplift", clf).attribute(torch.rand(1, 3, 32, 32))

@@ -38,6 +38,8 @@ __all__ = ["CaptumMethod", "captum_class"]
 _REQUIRED: Any = inspect.Parameter.empty
 # attribute() parameters the Explainer call shape supplies itself.
 _SUPPLIED = {"self", "inputs", "target", "baselines", "return_convergence_delta", "additional_forward_args"}
+# The words of Captum's DeepLift error for a module called more than once in the forward pass.
+_REUSED_MODULE = "does not contain some of the input/output attributes"
 # What Captum raises on arguments it does not accept (its checks are mostly asserts) before it runs the model.
 _ARGUMENT_ERRORS = (AssertionError, TypeError, ValueError, IndexError, RuntimeError)
 
@@ -231,6 +233,16 @@ class CaptumMethod(Explainer):
             # Captum's argument checks are asserts: one line naming the options, not a traceback from its insides.
             given = {k: v for k, v in options.items() if k in self.options and v is not self.options[k]}
             raise ValueError(self._rejected(given, err)) from err
+        except RuntimeError as err:
+            if _REUSED_MODULE not in str(err):
+                raise
+            # DeepLift's rules hook each nonlinearity once per forward pass: a module called twice (torchvision's
+            # ResNet blocks call one ReLU module twice) has no single input to compare with its reference.
+            raise ValueError(
+                f"{self.name} cannot explain {type(getattr(self.classifier, 'model', self.classifier)).__name__}: a "
+                "nonlinearity module is used more than once in its forward pass (torchvision's ResNet blocks reuse "
+                "their ReLU), and Captum's DeepLift rules need one module per use"
+            ) from err
         attr, d = out if delta else (out, None)
         if isinstance(attr, tuple):
             (attr,) = attr
