@@ -248,8 +248,9 @@ def load_json(path: str | os.PathLike[str]) -> Any:
         raise FileNotFoundError(f"JSON file not found: {p}")
     try:
         return json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{p} is not valid JSON: {err}") from err
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        # RecursionError: nesting deeper than the parser's stack (a crafted file), not a bug of ours.
+        raise ValueError(f"{p} is not valid JSON: {type(err).__name__}: {err}") from None
 
 
 def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:

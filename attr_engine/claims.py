@@ -119,8 +119,14 @@ def claim_output(
         if check is not None:
             check()
         fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(fd, json.dumps({"digest": digest, "pid": os.getpid(), "describe": describe}).encode())
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(fd, json.dumps({"digest": digest, "pid": os.getpid(), "describe": describe}).encode())
+        except BaseException:
+            # A claim half made (disk full) must not stay held for the rest of a long-lived process.
+            mine.unlink(missing_ok=True)
+            os.close(fd)
+            raise
     try:
         yield sharing
     finally:

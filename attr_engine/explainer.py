@@ -659,7 +659,9 @@ def explain_batch_with_probability(
     """
     with torch.no_grad():
         logits = classifier(x)
-        target = logits.argmax(1) if target is None else target.to(x.device)
+        # Given classes are checked against the logits before they index them (gather would fail on its own terms,
+        # on CUDA with a device-side assert).
+        target = logits.argmax(1) if target is None else resolve_targets(classifier, x, target, logits=logits)
         probability = logits.float().softmax(1).gather(1, target[:, None])[:, 0].cpu()
     return explainer.attribute(x, target).float().cpu(), target, probability
 

@@ -533,7 +533,11 @@ def _rows(ds: ray.data.Dataset, items: list[Item], job: AttributionJob) -> Itera
         seen.add(index)
         item = items[index]
         if row["error"]:
-            yield ItemResult(item, error=str(row["error"]))
+            # An unreadable image has target -1; a failed map keeps its class and probability, as the local
+            # engine's result does.
+            yield ItemResult(
+                item, target=int(row["target"]), error=str(row["error"]), probability=float(row["probability"])
+            )
             continue
         shown = None
         if job.return_images:

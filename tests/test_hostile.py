@@ -381,3 +381,64 @@ def test_the_command_line_lists_methods_from_the_registry(capsys, monkeypatch):
     listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
     assert set(list_explainers()) <= set(listed) and "test-listed" in listed and "captum:<Class>" in listed
     assert "pa, pullback" in listed["pullback-ascent"]  # the aliases come from the registry too
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Review findings: more crafted AHA checkpoints, each one line
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"feature_channels": [8] * 20000}, "feature_channels must be a list of 1 to 64 ints"),
+        ({"layers": [99]}, "cannot tap the checkpoint's layers"),
+        ({"layers": [1, 1]}, "layers must be up to 64 distinct block indices"),
+        ({"steps_trained": [1]}, "steps_trained must be an int"),
+        ({"steps_trained": 1e400}, "steps_trained must be an int"),
+    ],
+)
+def test_more_crafted_aha_metadata_is_one_value_error(classifier_file, aha_dir, tmp_path, changes, message):
+    crafted = _crafted_aha(aha_dir, tmp_path, **changes)
+    with pytest.raises(ValueError, match=message):
+        AHA.load(crafted, _classifier(classifier_file))
+
+
+def test_a_missing_fingerprint_and_a_deeply_nested_config_are_one_value_error(classifier_file, aha_dir, tmp_path):
+    crafted = _crafted_aha(aha_dir, tmp_path)
+    meta = json.loads((crafted / CONFIG_FILE).read_text())
+    del meta["classifier"]
+    (crafted / CONFIG_FILE).write_text(json.dumps(meta))
+    stored, weights_meta = load_safetensors(crafted / WEIGHTS_FILE)
+    save_safetensors(stored, crafted / WEIGHTS_FILE, {k: v for k, v in weights_meta.items() if k != "classifier"})
+    with pytest.raises(ValueError, match="no classifier fingerprint"):
+        AHA.load(crafted, _classifier(classifier_file))
+    (crafted / CONFIG_FILE).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="not valid JSON: RecursionError"):
+        AHA.load(crafted, _classifier(classifier_file))
+
+
+def test_a_checkpoint_step_that_links_elsewhere_is_refused(classifier_file, aha_dir, tmp_path):
+    """A training directory whose step-N is a link to another folder holding a valid pair of files."""
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(aha_dir, elsewhere)
+    training = tmp_path / "training"
+    (training / "checkpoints").mkdir(parents=True)
+    (training / "checkpoints" / "step-00000001").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(ValueError, match="is a link"):
+        AHA.load(training, _classifier(classifier_file))
+
+
+def test_the_local_engine_refuses_a_class_the_classifier_lacks_as_ray_does(classifier_file, images):
+    """From Python (no CLI check in front): the local engine checked the target only after indexing the logits."""
+    from attr_engine import jobs
+    from attr_engine.imageops import data_config
+
+    job = jobs.AttributionJob(method="gradient", classifier=str(classifier_file), target=9, batch_size=2)
+    clf = jobs.build_classifier(job)
+    results = jobs.run(
+        job, jobs.list_inputs(images, "npy"), classifier=clf, explainer=jobs.build_explainer(job, clf),
+        config=data_config(clf, img_size=32, crop_pct=1.0),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"target classes must lie in \[0, 6\), got"):
+        next(results)

@@ -287,7 +287,13 @@ class AHA(nn.Module, Explainer):
         backbone = None
         if config.backbone is not None and ckpt.backbone_state:
             backbone = build_backbone(classifier, config.backbone, config.layers, state=ckpt.backbone_state)
-        aha = cls(classifier, config, img_size=ckpt.img_size, backbone=backbone)
+        try:
+            aha = cls(classifier, config, img_size=ckpt.img_size, backbone=backbone)
+        except (AssertionError, IndexError) as err:
+            # timm asserts tapped block indices in range: a crafted config's layers, named as such.
+            raise ValueError(
+                f"{ckpt.src}: the backbone cannot tap the checkpoint's layers {config.layers}: {err}"
+            ) from None
         try:
             aha.decoder.load_state_dict(ckpt.decoder_state, strict=True)
         except RuntimeError as err:

@@ -92,6 +92,8 @@ _CONFIG_BOUNDS = {
     "peak_kernel": 2 * MAX_FILE_IMG_SIZE,
 }
 _MAX_CHANNELS = 1 << 16
+# Levels a decoder taps (feature_channels, layers): DPT taps four; each costs three modules even on the meta device.
+_MAX_LEVELS = 64
 # What a checkpoint written before a config field existed was trained with: loading it fills the field with that
 # value, not today's default, so its refinement and a resumed run optimise the objective it was trained on.
 _BEFORE_FIELDS: dict[str, Any] = {"score_norm": "raw", "mask_sigma": 0.0}
@@ -186,6 +188,15 @@ def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
     raise FileNotFoundError(f"no AHA checkpoint in {src} (no {CONFIG_FILE} with {WEIGHTS_FILE}, no {CHECKPOINTS_DIR}/)")
 
 
+def _refuse_links(root: Path, src: Path) -> None:
+    """A checkpoint's files are its own: a step directory or file that is a link (to another folder, or a file
+    elsewhere) is refused, so a crafted checkpoint cannot make the loader read outside it."""
+    inside = [src, src.parent] if src != root else []  # a step directory and its checkpoints/ folder
+    for path in [*inside, src / CONFIG_FILE, src / WEIGHTS_FILE]:
+        if path.is_symlink():
+            raise ValueError(f"{path} is a link: an AHA checkpoint's directories and files must be its own")
+
+
 def classifier_fingerprint(classifier: Classifier) -> str:
     """A short hash of the classifier's architecture and weights: a checkpoint records the one it was trained for.
 
@@ -263,11 +274,17 @@ def read_checkpoint(
             a different classifier.
     """
     src = checkpoint_dir(path)
+    _refuse_links(Path(path), src)
     meta = load_json(src / CONFIG_FILE)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{src / CONFIG_FILE} is not an AHA checkpoint config (format {FORMAT})")
     state, weights_meta = load_safetensors(src / WEIGHTS_FILE, device=classifier.norm_mean.device, finite=True)
-    steps = str(meta.get("steps_trained", 0))
+    raw_steps = meta.get("steps_trained", 0)
+    if not isinstance(raw_steps, int) or isinstance(raw_steps, bool) or not 0 <= raw_steps < 1 << 62:
+        raise ValueError(f"{src / CONFIG_FILE}: corrupt metadata: steps_trained must be an int >= 0, got {raw_steps!r}")
+    if not isinstance(meta.get("classifier"), str):
+        raise ValueError(f"{src / CONFIG_FILE}: corrupt metadata: no classifier fingerprint")
+    steps = str(raw_steps)
     same_step = weights_meta.get("steps_trained", steps) == steps
     if weights_meta.get("classifier") != meta.get("classifier") or not same_step:
         raise ValueError(f"{src}: weights and config belong to different checkpoints (torn write?)")
@@ -350,8 +367,14 @@ def check_loadable(
         raw_channels = meta["feature_channels"]
     except KeyError as err:
         raise ValueError(f"{where}: corrupt AHA config: missing {err}") from None
-    if not isinstance(raw_channels, list) or not raw_channels:
-        raise ValueError(f"{where}: corrupt metadata: feature_channels must be a list of ints, got {raw_channels!r}")
+    if not isinstance(raw_channels, list) or not 1 <= len(raw_channels) <= _MAX_LEVELS:
+        shown = raw_channels if not isinstance(raw_channels, list) else f"{len(raw_channels)} entries"
+        raise ValueError(
+            f"{where}: corrupt metadata: feature_channels must be a list of 1 to {_MAX_LEVELS} ints, got {shown}"
+        )
+    layers = config.layers or ()
+    if len(layers) > _MAX_LEVELS or len(set(layers)) != len(layers) or any(i < -1000 or i > 1000 for i in layers):
+        raise ValueError(f"{where}: corrupt metadata: layers must be up to {_MAX_LEVELS} distinct block indices")
     channels = [file_int(c, "feature_channels", where, high=_MAX_CHANNELS) for c in raw_channels]
     for field, high in _CONFIG_BOUNDS.items():
         value = getattr(config, field)
