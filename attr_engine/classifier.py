@@ -32,6 +32,7 @@ __all__ = [
     "eval_mode",
     "file_int",
     "input_dtype",
+    "is_external_name",
     "load_classifier",
     "model_device",
     "resolve_targets",
@@ -346,6 +347,15 @@ def _unknown_model_error(name: str) -> ValueError:
     suggestions = list(dict.fromkeys([*close, *pattern_hits]))[:12]
     hint = f" Close matches: {', '.join(suggestions)}." if suggestions else ""
     return ValueError(f"unknown timm model {name!r}.{hint} See timm.list_models() for all names.")
+
+
+def is_external_name(name: str) -> bool:
+    """Whether ``name`` points outside timm's registry: a hub or local-dir name, or a source timm does not know
+    (``"https://..."``). Such a name read from a file must not be built without the caller's confirmation."""
+    try:
+        return timm.models.parse_model_name(name)[0] is not None
+    except ValueError:  # an unknown source prefix
+        return True
 
 
 def check_model_name(name: str) -> bool:

@@ -159,12 +159,6 @@ def _checkpoint_model_name(path: Path) -> str | None:
         raise ValueError(f"{path} is not a valid classifier checkpoint (safetensors): {err}") from None
 
 
-def _registry_name(name: str) -> bool:
-    import timm
-
-    return timm.models.parse_model_name(name)[0] is None
-
-
 def build_classifier(job: AttributionJob, device: torch.device | str = "cpu") -> Classifier:
     """The job's classifier on ``device``: its checkpoint (architecture read from the file, or ``job.model``) or
     a timm model (``pretrained`` weights, or random ones seeded with ``job.seed``).
@@ -180,7 +174,7 @@ def build_classifier(job: AttributionJob, device: torch.device | str = "cpu") ->
     """
     import torch
 
-    from attr_engine.classifier import load_classifier
+    from attr_engine.classifier import is_external_name, load_classifier
 
     checkpoint = Path(job.classifier) if job.classifier else None
     name = job.model
@@ -190,7 +184,7 @@ def build_classifier(job: AttributionJob, device: torch.device | str = "cpu") ->
                 "pretrained and a classifier checkpoint exclude each other (the checkpoint holds the weights)"
             )
         saved = _checkpoint_model_name(checkpoint)
-        if name is None and saved is not None and not _registry_name(saved):
+        if name is None and saved is not None and is_external_name(saved):
             raise ValueError(
                 f"{checkpoint} names the model {saved!r}, which is not in timm's registry; pass --model to confirm it"
             )

@@ -118,6 +118,16 @@ def _rgba(amap: Any, style: MapStyle, alpha: float) -> np.ndarray:
     return rgba
 
 
+def _check_picture(image: torch.Tensor, amap: torch.Tensor, alpha: float) -> None:
+    """An image ``(3, H, W)``, its map ``(H, W)`` of the same size and an opacity in [0, 1], or a ValueError."""
+    if image.ndim != 3 or image.shape[0] != 3:
+        raise ValueError(f"image must be (3, H, W), got shape {tuple(image.shape)}")
+    if amap.shape != image.shape[1:]:
+        raise ValueError(f"map {tuple(amap.shape)} and image {tuple(image.shape[1:])} differ in size")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+
+
 def overlay(
     image: torch.Tensor,
     amap: torch.Tensor,
@@ -136,12 +146,7 @@ def overlay(
     Returns:
         ``(H, W, 3)`` uint8 RGB.
     """
-    if image.ndim != 3 or image.shape[0] != 3:
-        raise ValueError(f"image must be (3, H, W), got shape {tuple(image.shape)}")
-    if amap.shape != image.shape[1:]:
-        raise ValueError(f"map {tuple(amap.shape)} and image {tuple(image.shape[1:])} differ in size")
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    _check_picture(image, amap, alpha)
     return _blend(image, amap, map_style(amap, signed=signed, cmap=cmap), alpha)
 
 
@@ -329,12 +334,7 @@ def save_map_figure(
         cmap, alpha, signed: as for :func:`overlay`.
         min_side, max_side: the display size bounds of :func:`figure_layout`.
     """
-    if image.ndim != 3 or image.shape[0] != 3:
-        raise ValueError(f"image must be (3, H, W), got shape {tuple(image.shape)}")
-    if amap.shape != image.shape[1:]:
-        raise ValueError(f"map {tuple(amap.shape)} and image {tuple(image.shape[1:])} differ in size")
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    _check_picture(image, amap, alpha)
     style = map_style(amap, signed=signed, cmap=cmap)
     geo = figure_layout(*amap.shape, layout=layout, min_side=min_side, max_side=max_side)
     shown, shown_map = _resized(image, amap, (geo.panels[0][3], geo.panels[0][2]))

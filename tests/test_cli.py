@@ -665,3 +665,8 @@ def test_picture_layout_and_size_flags(checkpoint, tmp_path):
         assert max(im.size) <= 512 and im.size == (figure_layout(300, 1000, max_side=512).width,
                                                    figure_layout(300, 1000, max_side=512).height)  # fmt: skip
     assert np.load(tmp_path / "small" / "a.npy").shape == (300, 1000)  # the map keeps the image's resolution
+
+
+def test_the_parsers_formats_are_the_job_layers():
+    """cli/explain repeats jobs.FORMATS so that `explain --help` needs no torch: the two must not drift."""
+    assert explain_cli.FORMATS == jobs.FORMATS

@@ -44,7 +44,14 @@ from attr_engine.checkpoint import (
     save_safetensors,
     save_state,
 )
-from attr_engine.classifier import MAX_FILE_IMG_SIZE, Classifier, _accepts_img_size, _check_against_weights, file_int
+from attr_engine.classifier import (
+    MAX_FILE_IMG_SIZE,
+    Classifier,
+    _accepts_img_size,
+    _check_against_weights,
+    file_int,
+    is_external_name,
+)
 
 __all__ = [
     "BACKBONE_PREFIX",
@@ -320,10 +327,7 @@ def load_checkpoint(
 
 def _registry_name(name: str) -> bool:
     """Whether timm builds ``name`` from its own registry, offline (not a hub, local-dir or other source)."""
-    try:
-        return timm.models.parse_model_name(name)[0] is None and timm.is_model(name)
-    except ValueError:  # an unknown source prefix ("https://...")
-        return False
+    return not is_external_name(name) and timm.is_model(name)
 
 
 def check_loadable(

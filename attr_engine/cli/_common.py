@@ -27,7 +27,6 @@ __all__ = [
     "build_explainer",
     "check_writable_dir",
     "config_defaults",
-    "load_aha",
     "load_classifier_args",
     "load_config_file",
     "machine_summary",
@@ -281,18 +280,6 @@ def build_explainer(
         raise UsageError(f"method {name!r} does not take these options: {err}") from None
     except FileNotFoundError as err:
         raise UsageError(str(err)) from None
-
-
-def load_aha(path: str | os.PathLike[str] | None, classifier: Classifier) -> Any:
-    """The trained AHA explainer in directory ``path`` (a train-aha / demo output), checked against the classifier."""
-    from attr_engine.aha import AHA
-
-    if path is None:
-        raise UsageError("--method aha needs --aha DIR, the directory train-aha (or demo) wrote")
-    try:
-        return AHA.load(path, classifier)
-    except FileNotFoundError as err:
-        raise UsageError(f"no AHA checkpoint in {path}: {err}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------

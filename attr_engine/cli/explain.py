@@ -63,10 +63,7 @@ from attr_engine.cli._common import (
     work_started,
 )
 
-# The job layer's names, repeated here so the parser can be built without importing it (it imports torch).
-SETTINGS_FILE = "explain.json"
-MANIFEST_DIR = "_manifest"
-JOURNAL_SUFFIX = ".jsonl"
+# jobs.FORMATS, repeated so the parser can be built without importing the job layer (it imports torch).
 FORMATS = ("npy", "safetensors", "none")
 MAP_DTYPES = ("float32", "float16")
 PNG_LAYOUTS = ("overlay", "side-by-side")
@@ -489,7 +486,7 @@ def _work(args: argparse.Namespace, run: _Run) -> float:
     name = f"explain [{run.rank}/{run.world}]" if run.world > 1 else "explain"
     bar = tqdm(total=min(len(run.todo), run.limit), desc=name, unit="img",
                disable=args.no_progress or not run.todo, dynamic_ncols=True)  # fmt: skip
-    journal_path = run.out / MANIFEST_DIR / f"rank{run.rank}-of-{run.world}{JOURNAL_SUFFIX}"
+    journal_path = run.out / jobs.MANIFEST_DIR / f"rank{run.rank}-of-{run.world}{jobs.JOURNAL_SUFFIX}"
     journal_path.parent.mkdir(parents=True, exist_ok=True)
     with bar, open(journal_path, "a", encoding="utf-8") as journal:
         writer = jobs.OutputWriter(
@@ -522,6 +519,7 @@ def _take(result: ItemResult, run: _Run, writer: Any, bar: Any, folder: bool) ->
 
 def _report(args: argparse.Namespace, run: _Run, seconds: float) -> int:
     """The manifest of this process's share and the one summary line; the exit status."""
+    from attr_engine import jobs
     from attr_engine.checkpoint import save_json
 
     if Path(args.input).is_file() and run.unreadable:
@@ -538,7 +536,7 @@ def _report(args: argparse.Namespace, run: _Run, seconds: float) -> int:
             "failed": run.failed,
             "seconds": round(seconds, 3),
         },
-        run.out / MANIFEST_DIR / f"rank{run.rank}-of-{run.world}.json",
+        run.out / jobs.MANIFEST_DIR / f"rank{run.rank}-of-{run.world}.json",
     )
     who = f"rank {run.rank}/{run.world}: " if run.world > 1 else ""
     notes = [f"{len(run.already)} already done"] if run.already else []
