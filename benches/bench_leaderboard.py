@@ -2,6 +2,12 @@
 
     python -m benches.bench_leaderboard --out reports/leaderboard            # full run (2 CPU cores: ~1 hour)
     python -m benches.bench_leaderboard --quick --out reports/leaderboard    # smoke run, about 2 minutes
+    python -m benches.bench_leaderboard --data photos --img-size 64 --out reports/leaderboard-photos
+
+``--data shapes`` (default) is the embedded ShapesDataset, with object masks; ``--data photos`` is
+:class:`~attr_engine.data.photos.PhotoCropsDataset`, labelled crops of real photographs (scikit-image's sample
+photographs; test crops come from regions of each photograph no training crop touches), without masks, so its
+board has the perturbation metrics only (deletion, insertion, Pos / Neg) and 200 test images.
 
 For each classifier (``small_model_config`` ViT and ResNet at 64 px, trained on ShapesDataset) an AHA explainer is
 trained, then every method - AHA (T=0, T=3), SfP, PA and every registered baseline that applies, DeepLift and Guided
@@ -30,12 +36,13 @@ import torch
 
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.classifier_training import evaluate_accuracy, small_model_config, train_classifier
+from attr_engine.data.photos import PhotoCropsDataset
 from attr_engine.data.shapes import ShapesDataset
 from attr_engine.evaluate import Leaderboard, evaluate
 from attr_engine.explainer import Explainer, get_explainer, list_explainers
 from attr_engine.report import leaderboard_markdown, plot_heatmaps, write_markdown, write_report
 
-IMG = 64
+IMG = 64  # the default side; --img-size changes it
 METRIC_NAMES = (
     "deletion",
     "insertion",
@@ -48,6 +55,10 @@ METRIC_NAMES = (
     "energy_pointing_game",
     "mask_iou",
 )
+MASK_METRICS = ("pointing_game", "energy_pointing_game", "mask_iou")
+# Photos: no masks; infidelity, max-sensitivity and random logit are left to the shapes board (their cost is per
+# image and per method, and they say nothing about which map ranks pixels best).
+PHOTO_METRICS = ("deletion", "insertion", "pos", "neg")
 
 
 @dataclass(frozen=True)
@@ -68,13 +79,28 @@ class Budget:
 # Integrated Gradients takes 50 steps, the budget AHA's refinement (T=3) is held to.
 QUICK = Budget(600, 3, 8, 8, 128, 8, 4, 1, 2)
 FULL = Budget(3000, 12, 400, 32, 500, 50, 16, 5, 5)
+# Photos: 200 crops per class in training, 200 test images (the perturbation metrics are cheap enough for it).
+PHOTOS_QUICK = Budget(600, 3, 8, 24, 128, 8, 4, 1, 2)
+PHOTOS_FULL = Budget(2400, 12, 400, 200, 500, 50, 16, 5, 5)
 
 
-def train(kind: str, budget: Budget, seed: int, log) -> tuple:
-    train_set = ShapesDataset(budget.n_train, img_size=IMG, seed=seed, with_masks=False)
+def datasets(data: str, budget: Budget, img: int, seed: int) -> tuple:
+    """``(train_set, test_set)`` of ``data`` ("shapes" or "photos") at ``img`` px."""
+    if data == "photos":
+        return (
+            PhotoCropsDataset(budget.n_train, split="train", img_size=img, seed=seed),
+            PhotoCropsDataset(budget.n_test, split="test", img_size=img, seed=seed),
+        )
+    return (
+        ShapesDataset(budget.n_train, img_size=img, seed=seed, with_masks=False),
+        ShapesDataset(budget.n_test, img_size=img, seed=seed + 1000),
+    )
+
+
+def train(kind: str, budget: Budget, seed: int, log, data: str = "shapes", img: int = IMG) -> tuple:
+    train_set, test_set = datasets(data, budget, img, seed)
     start = time.perf_counter()
-    classifier = train_classifier(small_model_config(kind, IMG), train_set, epochs=budget.epochs, seed=seed)
-    test_set = ShapesDataset(budget.n_test, img_size=IMG, seed=seed + 1000)
+    classifier = train_classifier(small_model_config(kind, img), train_set, epochs=budget.epochs, seed=seed)
     acc = evaluate_accuracy(classifier, test_set)
     log(f"[{kind}] classifier: {acc:.1%} held-out accuracy ({time.perf_counter() - start:.0f} s)")
     start = time.perf_counter()
@@ -84,7 +110,15 @@ def train(kind: str, budget: Budget, seed: int, log) -> tuple:
     return classifier, aha, test_set, acc
 
 
-def methods(classifier, aha: AHA, budget: Budget, seed: int) -> dict[str, Explainer]:
+# Photos: the peers the AHA target is stated against (issue #21): IG-50, gradient x input, the pullbacks,
+# Grad-CAM / rollout and saliency. Occlusion, RISE, SmoothGrad and DeepLift stay on the shapes board: on 200 images
+# they would cost more than the rest together.
+PHOTO_BASELINES = ("integrated-gradients", "gradient-x-input", "grad-cam", "attention-rollout", "saliency")
+
+
+def methods(
+    classifier, aha: AHA, budget: Budget, seed: int, only: tuple[str, ...] | None = None
+) -> dict[str, Explainer]:
     out: dict[str, Explainer] = {
         "AHA (T=0)": get_explainer("aha", classifier, aha=aha),
         "AHA (T=3)": get_explainer("aha", classifier, aha=aha, refine_steps=3, seed=seed),
@@ -97,7 +131,7 @@ def methods(classifier, aha: AHA, budget: Budget, seed: int) -> dict[str, Explai
         "rise": {"n_masks": budget.rise_masks, "seed": seed},
     }
     for name in list_explainers(classifier):
-        if name not in ("aha", "pullback-soft", "pullback-ascent"):
+        if name not in ("aha", "pullback-soft", "pullback-ascent") and (only is None or name in only):
             out[name] = get_explainer(name, classifier, **options.get(name, {}))
     return out
 
@@ -108,12 +142,13 @@ def composite(board: Leaderboard) -> dict[str, float]:
     return {m: ins[m] - dele[m] for m in ins if m in dele}
 
 
-def aha_figure(board: Leaderboard, masks: torch.Tensor, path: Path) -> Path:
-    """The kept images with their object masks, AHA's maps (T=0, T=3) and the two best other methods by composite."""
+def aha_figure(board: Leaderboard, masks: torch.Tensor | None, path: Path) -> Path:
+    """The kept images (with their object masks, if any), AHA's maps (T=0, T=3) and the two best other methods by
+    composite."""
     scores = composite(board)
     others = sorted((m for m in board.maps if not m.startswith("AHA") and m in scores), key=scores.get, reverse=True)
     k = len(board.images)
-    maps = {"object mask": masks[:k].float()}
+    maps = {} if masks is None else {"object mask": masks[:k].float()}
     for name in ("AHA (T=0)", "AHA (T=3)", *others[:2]):
         maps[name] = board.maps[name]
     return plot_heatmaps(board.images, maps, path, title=f"{board.title}: AHA and the two best other composites")
@@ -134,6 +169,8 @@ def targets(boards: dict[str, Leaderboard]) -> list[str]:
         )
         for metric in ("energy_pointing_game", "mask_iou"):
             col = board.column(metric)
+            if not col:  # a board without masks
+                continue
             aha = max((m for m in col if m.startswith("AHA")), key=col.get)
             other = max((m for m in col if not m.startswith("AHA")), key=col.get)
             lines.append(
@@ -153,6 +190,8 @@ def targets(boards: dict[str, Leaderboard]) -> list[str]:
                 f"{runner} {others[runner]:.3f})"
             )
         inf = board.column("infidelity")
+        if not inf:  # the photo board has the perturbation metrics only
+            continue
         ratio = inf["PA"] / inf["gradient"] if inf["gradient"] > 0 else float("inf")
         lines.append(
             f"- {kind}: PA infidelity <= 1/3 of gradient's: **{'reached' if ratio <= 1 / 3 else 'missed'}** "
@@ -167,25 +206,36 @@ def targets(boards: dict[str, Leaderboard]) -> list[str]:
     return lines
 
 
-def run(kinds: list[str], *, quick: bool, out: Path, seed: int = 0, batch_size: int = 16) -> dict[str, Leaderboard]:
-    budget = QUICK if quick else FULL
+def run(
+    kinds: list[str],
+    *,
+    quick: bool,
+    out: Path,
+    seed: int = 0,
+    batch_size: int = 16,
+    data: str = "shapes",
+    img: int = IMG,
+) -> dict[str, Leaderboard]:
+    photos = data == "photos"
+    budget = (PHOTOS_QUICK if quick else PHOTOS_FULL) if photos else (QUICK if quick else FULL)
     boards: dict[str, Leaderboard] = {}
     notes: list[str] = []
     for kind in kinds:
         torch.manual_seed(seed)
-        classifier, aha, test_set, acc = train(kind, budget, seed, print)
+        classifier, aha, test_set, acc = train(kind, budget, seed, print, data, img)
         start = time.perf_counter()
-        metrics: dict[str, dict] = {name: {} for name in METRIC_NAMES}
-        metrics["infidelity"] = {"n_samples": budget.infidelity_samples}
-        metrics["max_sensitivity"] = {"n_samples": budget.sensitivity_samples}
+        metrics: dict[str, dict] = {name: {} for name in (PHOTO_METRICS if photos else METRIC_NAMES)}
+        if not photos:
+            metrics["infidelity"] = {"n_samples": budget.infidelity_samples}
+            metrics["max_sensitivity"] = {"n_samples": budget.sensitivity_samples}
         board = evaluate(
             classifier,
-            methods(classifier, aha, budget, seed),
+            methods(classifier, aha, budget, seed, PHOTO_BASELINES if photos else None),
             test_set,
             metrics,
             batch_size=batch_size,
             seed=seed,
-            title=f"{kind} ({acc:.0%} accuracy), {budget.n_test} images at {IMG} px",
+            title=f"{kind} on {data} ({acc:.0%} accuracy), {budget.n_test} images at {img} px",
             log=lambda line, k=kind: print(f"[{k}] {line}"),
             extra_rankings=True,
         )
@@ -193,11 +243,12 @@ def run(kinds: list[str], *, quick: bool, out: Path, seed: int = 0, batch_size: 
         boards[kind] = board
         for path in write_report(board, out, stem=f"leaderboard_{kind}").values():
             print(f"[{kind}] wrote {path}")
-        print(f"[{kind}] wrote {aha_figure(board, test_set.tensors()[2], out / f'aha_maps_{kind}.png')}")
+        masks = None if photos else test_set.tensors()[2]
+        print(f"[{kind}] wrote {aha_figure(board, masks, out / f'aha_maps_{kind}.png')}")
         notes.append(leaderboard_markdown(board))
     summary = "\n".join(
         [
-            f"# Leaderboard ({'quick' if quick else 'full'} run, seed {seed})\n",
+            f"# Leaderboard on {data} at {img} px ({'quick' if quick else 'full'} run, seed {seed})\n",
             *notes,
             "## Targets\n",
             *targets(boards),
@@ -214,6 +265,8 @@ def main() -> None:
     parser.add_argument("--kind", choices=("vit", "resnet", "both"), default="both")
     parser.add_argument("--quick", action="store_true", help="smoke run (about 2 minutes on 2 CPU cores)")
     parser.add_argument("--out", type=Path, default=Path("reports/leaderboard"))
+    parser.add_argument("--data", choices=("shapes", "photos"), default="shapes")
+    parser.add_argument("--img-size", type=int, default=IMG, help=f"square input side (default {IMG})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
@@ -221,7 +274,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     kinds = ["vit", "resnet"] if args.kind == "both" else [args.kind]
     start = time.perf_counter()
-    run(kinds, quick=args.quick, out=args.out, seed=args.seed)
+    run(kinds, quick=args.quick, out=args.out, seed=args.seed, data=args.data, img=args.img_size)
     print(f"total {time.perf_counter() - start:.0f} s")
 
 
