@@ -231,12 +231,15 @@ def test_fused_attention_and_hooks_are_restored_also_on_an_exception(vit) -> Non
         attns[1].fused_attn = True
 
 
-def test_overlapping_calls_in_two_threads_keep_the_flags_and_their_own_maps(vit) -> None:
-    """Thread "first" enters, then "second" enters while "first" is inside its forward; "first" returns while
-    "second" waits inside its forward before block 0. A save-and-restore of fused_attn would switch the fused path
-    back on under "second" (no weights to capture) and leave the flags False for good."""
+@pytest.mark.parametrize("first_method", ["legrad", "attention-rollout"])
+def test_overlapping_calls_in_two_threads_keep_the_flags_and_their_own_maps(vit, first_method) -> None:
+    """Thread "first" (LeGrad, or attention rollout, which shares the mechanism) enters, then "second" (LeGrad)
+    enters while "first" is inside its forward; "first" returns while "second" waits inside its forward before
+    block 0. A save-and-restore of fused_attn would switch the fused path back on under "second" (no weights to
+    capture) and leave the flags False for good."""
     x, y = images(2, 32, seed=7), torch.tensor([1, 2])
-    alone = LeGrad(vit).attribute(x, y)
+    methods = {"first": get_explainer(first_method, vit), "second": LeGrad(vit)}
+    alone = {name: method.attribute(x, y) for name, method in methods.items()}
     flags = [block.attn.fused_attn for block in vit.model.blocks]
     first_in, second_in, first_done = threading.Event(), threading.Event(), threading.Event()
 
@@ -254,7 +257,7 @@ def test_overlapping_calls_in_two_threads_keep_the_flags_and_their_own_maps(vit)
         try:
             if name == "second":
                 assert first_in.wait(timeout=30)
-            results[name] = LeGrad(vit).attribute(x, y)
+            results[name] = methods[name].attribute(x, y)
         except BaseException as err:  # surfaced below: a failing thread must fail the test
             errors.append(err)
         finally:
@@ -273,7 +276,7 @@ def test_overlapping_calls_in_two_threads_keep_the_flags_and_their_own_maps(vit)
     assert not errors, errors
     assert [block.attn.fused_attn for block in vit.model.blocks] == flags and _hooks(vit) == 0
     for name in ("first", "second"):
-        torch.testing.assert_close(results[name], alone, **tol("baselines", FP32), msg=name)
+        torch.testing.assert_close(results[name], alone[name], **tol("baselines", FP32), msg=name)
 
 
 def test_another_threads_forward_is_neither_captured_nor_changed(vit) -> None:
