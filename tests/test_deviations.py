@@ -22,6 +22,9 @@ ENTRIES = (
     "z-scored region scores",
     "sub-cell grid offset",
     "Max-pool padding",
+    "model's own head",  # LeGrad (issue #23)
+    "A constant map is zero",
+    "attentional pooler",
 )
 
 

@@ -10,6 +10,7 @@
 | grad-cam | Grad-CAM: timm / torchvision CNN stages through Captum, timm ViT tokens here | Captum / here |
 | rise | RISE, masks on the device | here |
 | attention-rollout | attention rollout (ViTs) | here |
+| legrad | LeGrad (Bousselham et al., ICCV 2025): gradients w.r.t. attention maps (timm ViTs) | here |
 | deeplift, guided-grad-cam | DeepLift (Shrikumar et al. 2017); Guided Grad-CAM on the last CNN stage | Captum |
 | captum:<ClassName> | any ``captum.attr`` class, Captum's option names (:class:`CaptumMethod`) | Captum |
 | gradcam:<ClassName> | any pytorch-grad-cam CAM class (:class:`GradCamMethod`; the ``cam`` extra) | pytorch-grad-cam |
@@ -33,6 +34,7 @@ from attr_engine.baselines.gradients import (
     Saliency,
     SmoothGrad,
 )
+from attr_engine.baselines.legrad import LeGrad, legrad_applies
 from attr_engine.baselines.rise import RISE, rise_masks
 from attr_engine.baselines.rollout import AttentionRollout
 from attr_engine.explainer import register_explainer, register_explainer_family
@@ -46,12 +48,14 @@ __all__ = [
     "Gradient",
     "GradientXInput",
     "IntegratedGradients",
+    "LeGrad",
     "Occlusion",
     "Saliency",
     "SmoothGrad",
     "captum_class",
     "gradcam_class",
     "is_vit",
+    "legrad_applies",
     "rise_masks",
 ]
 
@@ -75,6 +79,9 @@ register_explainer(
 )
 register_explainer("rise", RISE, description="RISE random masks")
 register_explainer("attention-rollout", AttentionRollout, description="attention rollout, timm ViTs", applies=is_vit)
+register_explainer(
+    "legrad", LeGrad, description="LeGrad, gradients w.r.t. attention maps, timm ViTs", applies=legrad_applies
+)
 register_explainer(
     "deeplift",
     lambda classifier, **kw: CaptumMethod(classifier, "DeepLift", **kw),

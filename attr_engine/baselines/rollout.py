@@ -6,7 +6,9 @@ for the residual path, ``0.5 * A + 0.5 * I``, re-normalised per row and multipli
 laid out on timm's patch grid and upsampled bilinearly. It is class-agnostic: ``target`` does not change it.
 
 The weights are read where every timm attention module applies ``attn_drop`` to the softmax, with the fused
-(scaled-dot-product) kernel switched off for the call; both switches are undone afterwards.
+(scaled-dot-product) kernel switched off for the call, by hooks that act only on this thread's calls
+(:mod:`attr_engine.baselines._vit_attention`, shared with LeGrad); both are undone afterwards, also when calls
+overlap in several threads.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attr_engine.baselines._vit_attention import attention_modules, thread_hooks, unfused_attention
 from attr_engine.baselines.cam import is_vit, token_grid
 from attr_engine.explainer import Explainer
 
@@ -42,9 +45,7 @@ class AttentionRollout(Explainer):
         model: Any = getattr(classifier, "model", classifier)
         if not is_vit(model):
             raise ValueError(f"attention rollout needs a timm ViT (blocks of patch tokens), got {type(model).__name__}")
-        attns: list[Any] = [getattr(block, "attn", None) for block in model.blocks]
-        if any(a is None or not isinstance(getattr(a, "attn_drop", None), nn.Module) for a in attns):
-            raise ValueError("every block needs an .attn module with an attn_drop layer (timm's Attention)")
+        attns = attention_modules(model)  # a block without timm attention is one ValueError naming it
         if head_fusion not in _FUSIONS:
             raise ValueError(f"head_fusion must be one of {_FUSIONS}, got {head_fusion!r}")
         self.head_fusion = head_fusion
@@ -53,25 +54,14 @@ class AttentionRollout(Explainer):
 
     def _bind(self) -> None:
         self._model = getattr(self.classifier, "model", self.classifier)
-        self._attns = [block.attn for block in self._model.blocks]
+        self._attns = attention_modules(self._model)
 
     def _attribute(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         weights: list[torch.Tensor] = []
-        handles, fused = [], []
-        try:
-            for attn in self._attns:
-                fused.append((attn, getattr(attn, "fused_attn", None)))
-                if hasattr(attn, "fused_attn"):
-                    attn.fused_attn = False
-                handles.append(attn.attn_drop.register_forward_hook(lambda _m, _i, out: weights.append(out)))
+        drops = [attn.get_submodule("attn_drop") for attn in self._attns]
+        with unfused_attention(self._attns), thread_hooks(drops, lambda _m, _i, out: weights.append(out)):
             with torch.no_grad():
                 self.classifier(x)
-        finally:
-            for handle in handles:
-                handle.remove()
-            for attn, flag in fused:
-                if flag is not None:
-                    attn.fused_attn = flag
         if len(weights) != len(self._attns):
             raise RuntimeError(f"captured {len(weights)} attention maps from {len(self._attns)} blocks")
         rollout = None
