@@ -22,6 +22,14 @@ import torch
 from torch import nn
 
 from attr_engine.checkpoint import check_state_shapes, load_safetensors, save_safetensors
+from attr_engine.model_sources import (
+    build_torchvision,
+    check_torchvision_name,
+    is_hf_classifier,
+    is_torchvision_vit,
+    load_hf,
+    split_source,
+)
 from kernels._validate import check_int_at_least, check_tensor
 
 __all__ = [
@@ -44,7 +52,10 @@ _CHECKPOINT_FORMAT = "attr_engine.classifier/1"
 # Model kwargs a checkpoint may not set: timm reads files, caches or the network through these (checkpoint_path is
 # even unpickled with torch.load), and pretrained_cfg(_overlay) may name a file. Only the caller may pass them.
 # Matched on the name's last segment for paths (drop_path_rate is an ordinary architecture argument).
-_UNSAFE_KWARG = re.compile(r"(^|_)(path|file|dir|url|hub)s?$|pretrained|checkpoint|cfg|cache|download", re.IGNORECASE)
+# torchvision's ``weights`` would download them.
+_UNSAFE_KWARG = re.compile(
+    r"(^|_)(path|file|dir|url|hub|weights)s?$|pretrained|checkpoint|cfg|cache|download", re.IGNORECASE
+)
 
 
 # The largest input side a file may set. A CNN's weights do not depend on its input size, so nothing in the file can
@@ -75,9 +86,16 @@ def _check_against_weights(
     100000 px ViT is refused here instead of exhausting memory in the real build. Models that cannot be built on
     the meta device skip this check; the real build's strict state-dict load still catches any mismatch.
     """
+    kind, ident = split_source(name)
     try:
         with torch.device("meta"):
-            probe = timm.create_model(name, pretrained=False, **create_kwargs)
+            if kind == "torchvision":
+                kwargs = dict(create_kwargs)
+                probe = build_torchvision(
+                    ident, num_classes=kwargs.pop("num_classes", None), img_size=kwargs.pop("img_size", None), **kwargs
+                )
+            else:
+                probe = timm.create_model(name, pretrained=False, **create_kwargs)
     except Exception:  # any failure of the shape-only build: the real build reports it in its own words
         return
     check_state_shapes(probe, state, source, f"{name} with {create_kwargs}")
@@ -121,8 +139,13 @@ def _as_triple(values: Sequence[float] | torch.Tensor, name: str) -> tuple[float
 
 
 def _model_input_size(model: nn.Module) -> tuple[int, int, int] | None:
-    """Best-known (C, H, W) the model expects: a fixed patch-embed grid beats the pretrained config."""
+    """Best-known (C, H, W) the model expects: a fixed patch-embed grid (timm), a torchvision ViT's ``image_size`` or
+    a transformers config's beat the pretrained config."""
     img_size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if img_size is None and is_torchvision_vit(model):
+        img_size = getattr(model, "image_size", None)
+    if img_size is None and is_hf_classifier(model):
+        img_size = getattr(model.config, "image_size", None)
     if img_size is not None:
         h, w = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         return (3, int(h), int(w))
@@ -350,8 +373,22 @@ def _unknown_model_error(name: str) -> ValueError:
 
 
 def is_external_name(name: str) -> bool:
-    """Whether ``name`` points outside timm's registry: a hub or local-dir name, or a source timm does not know
-    (``"https://..."``). Such a name read from a file must not be built without the caller's confirmation."""
+    """Whether ``name`` points outside a model registry: a hub or local-dir name (timm's ``hf-hub:`` /
+    ``local-dir:``, every transformers ``hf:`` name), or a source nobody knows (``"https://..."``). Such a name read
+    from a file must not be built without the caller's confirmation. ``torchvision:<builder>`` names of torchvision's
+    registry are not external (built without weights, they open nothing)."""
+    try:
+        source, ident = split_source(name)
+    except ValueError:
+        return True
+    if source == "hf":
+        return True
+    if source == "torchvision":
+        try:
+            check_torchvision_name(ident)
+        except ValueError:
+            return True
+        return False
     try:
         return timm.models.parse_model_name(name)[0] is not None
     except ValueError:  # an unknown source prefix
@@ -359,13 +396,21 @@ def is_external_name(name: str) -> bool:
 
 
 def check_model_name(name: str) -> bool:
-    """Raise ValueError (with close matches) unless ``name`` is a timm model; True for hub / local-dir names.
+    """Raise ValueError (with close matches) unless ``name`` is a timm or torchvision model; True for hub /
+    local-dir names.
 
-    ``"hf-hub:org/repo"`` and ``"local-dir:/path"`` names are resolved by timm itself, not from its registry, so
-    they pass here and are only checked when the model is built.
+    ``"hf-hub:org/repo"`` and ``"local-dir:/path"`` names are resolved by timm itself, not from its registry, and
+    ``"hf:org/repo"`` (transformers) by transformers, so they pass here and are only checked when the model is built.
+    ``"torchvision:<builder>"`` must be one of torchvision's classification models.
     """
     if not isinstance(name, str):
         raise ValueError(f"name must be a timm model name (str), got {type(name).__name__}")
+    source, ident = split_source(name)
+    if source == "torchvision":
+        check_torchvision_name(ident)
+        return False
+    if source == "hf":
+        return True
     external = timm.models.parse_model_name(name)[0] is not None
     if not external and not timm.is_model(name):
         raise _unknown_model_error(name)
@@ -388,12 +433,15 @@ def load_classifier(
     checkpoint: str | os.PathLike[str] | None = None,
     **model_kwargs: Any,
 ) -> Classifier:
-    """Build a timm model by name and wrap it in a frozen :class:`Classifier`.
+    """Build a timm, torchvision or Hugging Face model by name and wrap it in a frozen :class:`Classifier`.
 
     Args:
         name: timm model name (``timm.list_models()``, optionally with a pretrained tag such as
-            ``"resnet50.a1_in1k"``), or an ``"hf-hub:org/repo"`` / ``"local-dir:path"`` name timm resolves.
-        pretrained: download timm's pretrained weights (needs network access on first use).
+            ``"resnet50.a1_in1k"``), an ``"hf-hub:org/repo"`` / ``"local-dir:path"`` name timm resolves,
+            ``"torchvision:<builder>"`` (``"torchvision:resnet50"``) or ``"hf:<repo id or directory>"`` (a
+            transformers image classifier, the ``hf`` extra): see :mod:`attr_engine.model_sources`.
+        pretrained: download the source's pretrained weights (needs network access on first use): timm's,
+            torchvision's ``weights="DEFAULT"``, or transformers' ``from_pretrained`` (safetensors only).
         num_classes: number of logits; ``None`` keeps the model default (1000 for ImageNet models), or the value
             stored in ``checkpoint`` if it was written by :func:`save_classifier`.
         img_size: square input size. Passed to models with a size-dependent architecture (ViT-family: patch grid
@@ -401,72 +449,63 @@ def load_classifier(
         checkpoint: a safetensors file with the model's state dict (or a whole Classifier's, normalisation
             buffers included), loaded strictly. Files written by :func:`save_classifier` also carry
             ``num_classes``, ``img_size``, model kwargs and mean/std, used wherever the caller leaves them unset.
-        **model_kwargs: forwarded to ``timm.create_model`` (e.g. ``depth=4, embed_dim=96``).
+            Not for ``hf:`` models, whose weights are a ``save_pretrained`` directory named as ``"hf:DIR"``.
+        **model_kwargs: forwarded to ``timm.create_model`` (e.g. ``depth=4, embed_dim=96``), torchvision's builder
+            or transformers' ``from_pretrained`` / config.
 
     Raises:
         ValueError: unknown model name (with close matches), a checkpoint that is corrupt, was written for
             another architecture or does not match it (naming the file).
+        ImportError: an ``hf:`` name without transformers installed.
     """
     external = check_model_name(name)
+    source = split_source(name)[0]
     if pretrained and checkpoint is not None:
         raise ValueError("pass pretrained=True or checkpoint=..., not both (the checkpoint would overwrite it)")
     if img_size is not None:
         check_int_at_least(img_size, "img_size", 1)
+    if source == "hf":
+        if checkpoint is not None:
+            raise ValueError(
+                f"{name}: a transformers model loads its weights from a save_pretrained directory (name it as "
+                "'hf:DIR'), not from checkpoint="
+            )
+        ident = split_source(name)[1]
+        adapter = load_hf(ident, pretrained=pretrained, num_classes=num_classes, img_size=img_size, **model_kwargs)
+        return _wrap(adapter, name, model_kwargs, img_size)
 
     state: dict[str, torch.Tensor] | None = None
     mean = std = None
     if checkpoint is not None:
-        state, meta = load_safetensors(checkpoint, finite=True)
-        if meta.get("format") == _CHECKPOINT_FORMAT:
-            saved_name = meta.get("model_name")
-            arch = timm.models.split_model_name_tag  # "resnet50.a1_in1k" and "resnet50" share weights' shapes
-            if saved_name and arch(saved_name)[0] != arch(name)[0]:
-                raise ValueError(f"{checkpoint} was saved for model {saved_name!r}, not {name!r}")
-            saved_kwargs = _checkpoint_kwargs(meta.get("model_kwargs", "{}"), checkpoint)
-            try:
-                mean, std = json.loads(meta["mean"]), json.loads(meta["std"])
-                if num_classes is None:
-                    # Confirmed against the weights below, before anything of that size is allocated.
-                    num_classes = file_int(meta["num_classes"], "num_classes", checkpoint)
-                if img_size is None and meta.get("img_size"):
-                    img_size = file_int(meta["img_size"], "img_size", checkpoint, high=MAX_FILE_IMG_SIZE)
-            except (KeyError, ValueError) as err:
-                text = str(err) if str(checkpoint) in str(err) else f"{checkpoint}: corrupt classifier metadata: {err}"
-                raise ValueError(text) from err
-            model_kwargs = {**saved_kwargs, **model_kwargs}
-        # A Classifier's own state dict nests the model under "_model." next to the normalisation buffers.
-        if any(k.startswith("_model.") for k in state):
-            if mean is None and "norm_mean" in state and "norm_std" in state:
-                mean, std = state["norm_mean"].flatten().tolist(), state["norm_std"].flatten().tolist()
-            state = {k.removeprefix("_model."): v for k, v in state.items() if k.startswith("_model.")}
-
+        state, mean, std, num_classes, img_size, model_kwargs = _read_checkpoint(
+            checkpoint, name, num_classes, img_size, model_kwargs
+        )
     create_kwargs = dict(model_kwargs)
     if num_classes is not None:
         create_kwargs["num_classes"] = num_classes
-    if img_size is not None and (external or _accepts_img_size(name)):
+    if img_size is not None and (external or source == "torchvision" or _accepts_img_size(name)):
         create_kwargs["img_size"] = img_size
-    source = f"{checkpoint}: " if checkpoint is not None else ""
     if state is not None and not external:
         _check_against_weights(name, create_kwargs, state, checkpoint)
-    try:
-        try:
-            model = timm.create_model(name, pretrained=pretrained, **create_kwargs)
-        except TypeError as err:
-            # An external model's architecture is only known once its config is fetched: a CNN rejects img_size.
-            if not (external and "img_size" in create_kwargs and "img_size" in str(err)):
-                raise
-            del create_kwargs["img_size"]
-            model = timm.create_model(name, pretrained=pretrained, **create_kwargs)
-    except (TypeError, AssertionError, KeyError) as err:
-        # Unknown or inconsistent architecture arguments (e.g. a checkpoint's kwargs for another model): one line.
-        raise ValueError(f"{source}cannot build {name} with {create_kwargs}: {err}") from err
-
+    model = _build(name, pretrained, create_kwargs, external, f"{checkpoint}: " if checkpoint is not None else "")
     if state is not None:
         try:
             model.load_state_dict(state, strict=True)
         except RuntimeError as err:
             raise ValueError(f"{checkpoint} does not match {name} with {create_kwargs}: {err}") from err
+    return _wrap(model, name, model_kwargs, img_size, mean, std)
 
+
+def _wrap(
+    model: nn.Module,
+    name: str,
+    model_kwargs: dict[str, Any],
+    img_size: int | None,
+    mean: Any = None,
+    std: Any = None,
+) -> Classifier:
+    """``model`` in a :class:`Classifier` with the normalisation its ``pretrained_cfg`` gives (unless a checkpoint
+    gave its own), recording the name and kwargs :func:`save_classifier` stores."""
     cfg = timm.data.resolve_model_data_config(model)
     input_size = (3, img_size, img_size) if img_size is not None else _model_input_size(model)
     clf = Classifier(
@@ -478,6 +517,68 @@ def load_classifier(
     clf.model_name = name
     clf.model_kwargs = dict(model_kwargs)
     return clf
+
+
+def _build(name: str, pretrained: bool, create_kwargs: dict[str, Any], external: bool, source: str) -> nn.Module:
+    """The timm or torchvision model ``name`` built with ``create_kwargs`` (``source`` prefixes the errors)."""
+    kind, ident = split_source(name)
+    if kind == "torchvision":
+        kwargs = dict(create_kwargs)
+        try:
+            return build_torchvision(
+                ident, pretrained=pretrained, num_classes=kwargs.pop("num_classes", None),
+                img_size=kwargs.pop("img_size", None), **kwargs,
+            )  # fmt: skip
+        except ValueError as err:
+            raise ValueError(f"{source}{err}") from err
+    try:
+        try:
+            return timm.create_model(name, pretrained=pretrained, **create_kwargs)
+        except TypeError as err:
+            # An external model's architecture is only known once its config is fetched: a CNN rejects img_size.
+            if not (external and "img_size" in create_kwargs and "img_size" in str(err)):
+                raise
+            del create_kwargs["img_size"]
+            return timm.create_model(name, pretrained=pretrained, **create_kwargs)
+    except (TypeError, AssertionError, KeyError) as err:
+        # Unknown or inconsistent architecture arguments (e.g. a checkpoint's kwargs for another model): one line.
+        raise ValueError(f"{source}cannot build {name} with {create_kwargs}: {err}") from err
+
+
+def _read_checkpoint(
+    checkpoint: str | os.PathLike[str],
+    name: str,
+    num_classes: int | None,
+    img_size: int | None,
+    model_kwargs: dict[str, Any],
+) -> tuple[dict[str, torch.Tensor], Any, Any, int | None, int | None, dict[str, Any]]:
+    """A classifier checkpoint's weights, mean, std, and the num_classes / img_size / model kwargs it sets where the
+    caller left them unset (all checked: see :func:`load_classifier`)."""
+    mean = std = None
+    state, meta = load_safetensors(checkpoint, finite=True)
+    if meta.get("format") == _CHECKPOINT_FORMAT:
+        saved_name = meta.get("model_name")
+        arch = timm.models.split_model_name_tag  # "resnet50.a1_in1k" and "resnet50" share weights' shapes
+        if saved_name and arch(saved_name)[0] != arch(name)[0]:
+            raise ValueError(f"{checkpoint} was saved for model {saved_name!r}, not {name!r}")
+        saved_kwargs = _checkpoint_kwargs(meta.get("model_kwargs", "{}"), checkpoint)
+        try:
+            mean, std = json.loads(meta["mean"]), json.loads(meta["std"])
+            if num_classes is None:
+                # Confirmed against the weights below, before anything of that size is allocated.
+                num_classes = file_int(meta["num_classes"], "num_classes", checkpoint)
+            if img_size is None and meta.get("img_size"):
+                img_size = file_int(meta["img_size"], "img_size", checkpoint, high=MAX_FILE_IMG_SIZE)
+        except (KeyError, ValueError) as err:
+            text = str(err) if str(checkpoint) in str(err) else f"{checkpoint}: corrupt classifier metadata: {err}"
+            raise ValueError(text) from err
+        model_kwargs = {**saved_kwargs, **model_kwargs}
+    # A Classifier's own state dict nests the model under "_model." next to the normalisation buffers.
+    if any(k.startswith("_model.") for k in state):
+        if mean is None and "norm_mean" in state and "norm_std" in state:
+            mean, std = state["norm_mean"].flatten().tolist(), state["norm_std"].flatten().tolist()
+        state = {k.removeprefix("_model."): v for k, v in state.items() if k.startswith("_model.")}
+    return state, mean, std, num_classes, img_size, model_kwargs
 
 
 def save_classifier(
@@ -495,6 +596,11 @@ def save_classifier(
     if not isinstance(classifier, Classifier):
         raise ValueError(f"classifier must be a Classifier, got {type(classifier).__name__}")
     name = model_name or classifier.model_name
+    if name and split_source(name)[0] == "hf":
+        raise ValueError(
+            f"{name} is a transformers model: save it with classifier.model.hf.save_pretrained(DIR) (safetensors) "
+            "and its image processor, and load it with load_classifier('hf:DIR')"
+        )
     kwargs = model_kwargs if model_kwargs is not None else classifier.model_kwargs
     try:
         kwargs_json = json.dumps(kwargs)

@@ -96,6 +96,8 @@ def _explain(classifier_file: Path, src: Path, out: Path, *extra: str) -> int:
     ("backbone", "pretrained", "message"),
     [
         ("hf-hub:evil/model", True, "refusing backbone 'hf-hub:evil/model'"),
+        ("hf:evil/model", True, "refusing backbone 'hf:evil/model'"),  # transformers: always a hub or a folder
+        ("torchvision:resnet18", False, "refusing backbone 'torchvision:resnet18'"),  # timm's registry only
         ("local-dir:/some/folder", False, "refusing backbone 'local-dir:/some/folder'"),
         ("https://example.invalid/model", False, "refusing backbone"),
         ("resnet10t", True, "does not hold its weights, so loading would download"),

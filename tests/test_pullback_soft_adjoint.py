@@ -501,3 +501,134 @@ def test_every_soft_adjoint_default_temperature_is_the_kernels_one() -> None:
     for name, value in expected.items():
         assert getattr(ctx, name) == value and getattr(config, name) == value
         assert getattr(SoftAdjoint(nn.Identity()), name) == value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torchvision and transformers models (the shared tiny classifiers of conftest.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+FOREIGN_CASES = {
+    "tv_resnet": {"relu", "maxpool"},
+    "tv_vit": {"gelu", "layernorm", "held_softmax"},
+    "hf_vit": {"gelu_exact", "layernorm", "held_softmax"},
+}
+
+
+@pytest.mark.parametrize("name", list(FOREIGN_CASES))
+def test_torchvision_and_hf_forward_bit_identical_and_backward_soft(name: str, request) -> None:
+    clf = request.getfixturevalue(name)
+    x, g = torch.rand(2, 3, 32, 32), torch.eye(5)[[0, 3]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every layer of these models is known
+        with soft_adjoint(clf) as ctx:
+            y_soft, dx_soft = input_grad(clf, x, g)
+    y_plain, dx_plain = input_grad(clf, x, g)
+    assert torch.equal(y_soft, y_plain)
+    assert {kind for _, kind in ctx.softened} == FOREIGN_CASES[name]
+    assert (dx_soft - dx_plain).norm() > 0.05 * dx_plain.norm()
+
+
+def test_torchvision_layernorm2d_holds_statistics_constant() -> None:
+    from torchvision.models.convnext import LayerNorm2d as TvLayerNorm2d
+
+    ln = TvLayerNorm2d(6).double()
+    with torch.no_grad():
+        ln.weight.normal_()
+        ln.bias.normal_()
+    ln.requires_grad_(False)
+    x = torch.randn(2, 6, 3, 4, dtype=F64) * 3 + 1
+    g, dx_plain, dx_soft = soft_vs_plain(ln, x)
+    x_ref = x.clone().requires_grad_(True)
+    y_ref = _layer_norm_reference(x_ref, (1,), ln.weight.view(-1, 1, 1), ln.bias.view(-1, 1, 1), ln.eps)
+    (dx_ref,) = torch.autograd.grad(y_ref, x_ref, g)
+    torch.testing.assert_close(dx_soft, dx_ref, **TOL)
+    assert not torch.allclose(dx_soft, dx_plain)
+
+
+def _hf_activations() -> dict:
+    from transformers import activations as A
+
+    phi = _PHI
+    return {
+        "GELUActivation": (A.GELUActivation(), "gelu", phi),
+        "GELUActivation(python)": (A.GELUActivation(use_gelu_python=True), "gelu", phi),
+        "NewGELUActivation": (A.NewGELUActivation(), "gelu", phi),
+        "QuickGELUActivation": (A.QuickGELUActivation(), "gelu", phi),
+        "GELUTanh": (A.GELUTanh(), "gelu", phi),
+        "SiLUActivation": (A.SiLUActivation(), "silu", torch.sigmoid),
+    }
+
+
+@pytest.mark.parametrize("case", list(_hf_activations()))
+def test_hf_activation_keeps_its_value_and_takes_the_soft_gate(case: str) -> None:
+    layer, kind, gate = _hf_activations()[case]
+    tau = TAUS[f"{kind}_tau"]
+    z = torch.randn(4, 5, 6, dtype=F64) * 4
+    g, dx_plain, dx_soft = soft_vs_plain(nn.Sequential(Lambda(lambda t: t * 1.0), layer), z, **TAUS)
+    torch.testing.assert_close(dx_soft, g * gate(z / tau), **TOL)
+    assert not torch.allclose(dx_soft, dx_plain)
+
+
+def _mha_reference(mha: nn.MultiheadAttention, x: torch.Tensor) -> torch.Tensor:
+    B, N, D = x.shape
+    heads = mha.num_heads
+    q, k, v = F.linear(x, mha.in_proj_weight, mha.in_proj_bias).chunk(3, dim=-1)
+    q, k, v = (t.reshape(B, N, heads, -1).transpose(1, 2) for t in (q, k, v))
+    weights = torch.softmax(q @ k.transpose(-2, -1) / (D // heads) ** 0.5, dim=-1).detach()
+    return mha.out_proj((weights @ v).transpose(1, 2).reshape(B, N, D))
+
+
+@pytest.mark.parametrize("need_weights", [False, True], ids=["sdpa", "softmax"])
+def test_multihead_attention_backward_skips_the_softmax(need_weights: bool) -> None:
+    mha = nn.MultiheadAttention(12, 3, batch_first=True).double().eval()
+    model = Lambda(mha)  # mha a submodule, so soft_adjoint finds it
+    model.forward = lambda t: mha(t, t, t, need_weights=need_weights)[0]
+    x = torch.randn(2, 6, 12, dtype=F64) * 2
+    g, dx_plain, dx_soft = soft_vs_plain(model, x)
+    x_ref = x.clone().requires_grad_(True)
+    (dx_ref,) = torch.autograd.grad(_mha_reference(mha, x_ref), x_ref, g)
+    torch.testing.assert_close(dx_soft, dx_ref, **TOL)
+    assert not torch.allclose(dx_soft, dx_plain)
+
+
+def _hf_attention_reference(attn: nn.Module, x: torch.Tensor, softmax_dtype: torch.dtype) -> torch.Tensor:
+    B, N, _ = x.shape
+    heads = attn.num_attention_heads
+    q, k, v = (p(x).reshape(B, N, heads, -1).transpose(1, 2) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    scores = q @ k.transpose(-2, -1) * attn.scaling
+    weights = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(x.dtype).detach()
+    return attn.o_proj((weights @ v).transpose(1, 2).reshape(B, N, -1))
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_hf_attention_backward_skips_the_softmax(implementation: str) -> None:
+    from tests.conftest import tiny_hf_vit
+
+    attn = tiny_hf_vit(implementation).double().eval().vit.layers[0].attention
+    model = Lambda(attn)
+    model.forward = lambda t: attn(t)[0]
+    x = torch.randn(2, 17, 32, dtype=F64)
+    g, dx_plain, dx_soft = soft_vs_plain(model, x)
+    x_ref = x.clone().requires_grad_(True)
+    # transformers' eager attention takes its softmax in float32 (then casts back); SDPA stays in float64.
+    softmax_dtype = torch.float32 if implementation == "eager" else F64
+    (dx_ref,) = torch.autograd.grad(_hf_attention_reference(attn, x_ref, softmax_dtype), x_ref, g)
+    torch.testing.assert_close(dx_soft, dx_ref, **TOL)
+    assert not torch.allclose(dx_soft, dx_plain)
+    _, dx_plain, dx_off = soft_vs_plain(model, x, attention=False)
+    torch.testing.assert_close(dx_off, dx_plain, **TOL)
+
+
+def test_hf_layers_out_of_reach_are_reported() -> None:
+    from transformers.activations import MishActivation
+
+    from tests.conftest import tiny_hf_vit
+
+    model = tiny_hf_vit("eager")
+    model.vit.layers[1].mlp.activation_fn = MishActivation()
+    model.config._attn_implementation = "flash_attention_2"  # a kernel the functional patches cannot reach
+    with pytest.warns(UserWarning, match=r"MishActivation: activation.*attn_implementation='flash_attention_2'|"
+                      r"attn_implementation='flash_attention_2'.*MishActivation: activation") as record:  # fmt: skip
+        with soft_adjoint(model):
+            pass
+    assert "only 'eager' and 'sdpa' are covered" in str(record[0].message)

@@ -1,4 +1,5 @@
-"""The AHA network: a frozen timm feature backbone and a trained class-conditioned decoder.
+"""The AHA network: a frozen feature backbone (timm, torchvision or transformers) and a trained class-conditioned
+decoder.
 
 The decoder follows the DPT idea at a size that trains on a CPU: every tapped backbone level is projected, joined
 with a learned embedding of the class to explain, and fused coarse-to-fine; the fused features are then upsampled in
@@ -10,26 +11,42 @@ and, when the backbone is a separate model, that backbone's weights too.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from attr_engine.classifier import Classifier, load_classifier
+from attr_engine.model_sources import is_hf_classifier, is_torchvision_vit
 
 
 class FeatureBackbone(nn.Module):
-    """Frozen multi-level features through timm's ``forward_intermediates`` API (ViTs, ConvNeXts, ResNets, ...).
+    """Frozen multi-level features of a timm, torchvision or Hugging Face classifier, as (B, C, h, w) maps.
 
-    Prefix tokens (class, distillation, registers) are removed and tokens reshaped to their grid by timm itself,
-    so nothing here assumes a patch size, a grid or one class token.
+    Where the levels come from:
+
+    - timm: ``forward_intermediates`` (ViTs, ConvNeXts, ResNets, ...). Prefix tokens are removed and tokens
+      reshaped to their grid by timm itself, so nothing here assumes a patch size, a grid or one class token.
+    - torchvision: the outputs of the model's own stages (ResNet ``layer1``-``layer4``; the layers of ``features``
+      for VGG, ConvNeXt, EfficientNet, MobileNet, DenseNet; the encoder layers of a VisionTransformer), read by
+      forward hooks that exist only during one call (removed in ``finally``) and record only the calling thread's
+      pass. Not ``torchvision.models.feature_extraction``: its FX trace fails on VisionTransformer's input-size
+      assert (torch 2.14 / torchvision 0.29) and costs seconds per build.
+    - transformers (:class:`~attr_engine.model_sources.HFImageClassifier`): the model's ``hidden_states`` after its
+      embeddings, one per layer or stage.
+
+    Token levels (B, N, D) of the torchvision and transformers ViTs lose their prefix tokens (``N - h * w``, the
+    grid from the patch size) and are laid out on the patch grid.
 
     Args:
-        model: a timm model exposing ``forward_intermediates``.
+        model: the classifier's network (``Classifier.model``).
         mean, std: the normalisation this backbone expects, applied to [0, 1] images.
-        layers: block/stage indices to tap; ``None`` picks four evenly spaced blocks of a transformer, or every stage
-            of a CNN.
+        layers: indices of the levels to tap; ``None`` picks four evenly spaced blocks of a transformer, or every
+            stage of a CNN (for a torchvision ``features`` list: the last layer at each resolution).
+        img_size: the side of the probe pass that finds a ``features`` list's stages (default 224).
     """
 
     # Buffers registered in __init__; declared so they type as tensors, not nn.Module.__getattr__'s union.
@@ -42,34 +59,72 @@ class FeatureBackbone(nn.Module):
         mean: torch.Tensor,
         std: torch.Tensor,
         layers: tuple[int, ...] | None = None,
+        img_size: int | None = None,
     ) -> None:
         super().__init__()
-        if not hasattr(model, "forward_intermediates"):
-            raise ValueError(
-                f"{type(model).__name__} has no forward_intermediates (timm's intermediate-layer API); "
-                "name a timm backbone in AHAConfig.backbone"
-            )
         self.model = model.eval().requires_grad_(False)
         self.register_buffer("mean", mean.detach().reshape(1, 3, 1, 1).clone(), persistent=False)
         self.register_buffer("std", std.detach().reshape(1, 3, 1, 1).clone(), persistent=False)
-        self.indices = list(layers) if layers is not None else _default_layers(model)
+        self.source = _feature_source(model)
+        self._nodes = _torchvision_nodes(model) if self.source == "torchvision" else []  # candidate levels
+        if layers is not None:
+            self.indices = list(layers)
+        elif self.source == "timm":
+            self.indices = _default_layers(model)
+        else:
+            self.indices = self._default_levels(img_size or 224)
+        count = len(self._nodes)
+        if self.source == "torchvision" and (not self.indices or any(not -count <= i < count for i in self.indices)):
+            raise ValueError(f"layers {self.indices} are not levels of {type(model).__name__} (it has {count})")
 
     def train(self, mode: bool = True) -> FeatureBackbone:
         # Frozen: batch-norm statistics and dropout never switch to training behaviour.
         super().train(False)
         return self
 
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x: (B, 3, H, W) in [0, 1] -> list of (B, C_l, h_l, w_l) feature maps."""
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.mean.dtype
         param = next(self.model.parameters(), None)
         if param is not None and param.is_floating_point():
             dtype = param.dtype  # images of any dtype run in the backbone's own
-        z = (x.to(dtype) - self.mean.to(dtype)) / self.std.to(dtype)
-        # timm's method, checked for in __init__; nn.Module declares no such attribute.
-        feats = self.model.forward_intermediates(z, indices=self.indices, intermediates_only=True)  # type: ignore[operator]
+        return (x.to(dtype) - self.mean.to(dtype)) / self.std.to(dtype)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x: (B, 3, H, W) in [0, 1] -> list of (B, C_l, h_l, w_l) feature maps."""
+        z = self._normalise(x)
+        if self.source == "timm":
+            # timm's method; nn.Module declares no such attribute.
+            feats = self.model.forward_intermediates(z, indices=self.indices, intermediates_only=True)  # type: ignore[operator]
+        else:
+            feats = [_as_map(f, self.model, x.shape[-2:]) for f in self._levels(z, self.indices)]
         return [f.float() for f in feats]
+
+    def _levels(self, z: torch.Tensor, indices: list[int]) -> list[torch.Tensor]:
+        """The raw levels ``indices`` of a torchvision or transformers model for normalised ``z``."""
+        if self.source == "torchvision":
+            return _stage_outputs(self.model, [self._nodes[i] for i in indices], z)
+        states = self.model.hidden_states(z)[1:]  # type: ignore[operator]  # HFImageClassifier's method
+        if any(not -len(states) <= i < len(states) for i in indices):
+            raise ValueError(f"layers {indices} are not levels of {type(self.model).__name__} (it has {len(states)})")
+        return [states[i] for i in indices]
+
+    def _default_levels(self, side: int) -> list[int]:
+        """Every stage of a CNN, four evenly spaced blocks of a transformer (torchvision / transformers)."""
+        param = next(self.model.parameters())
+        probe = torch.zeros(1, 3, side, side, device=param.device, dtype=param.dtype)
+        with torch.no_grad():
+            if self.source == "torchvision":
+                levels = _stage_outputs(self.model, self._nodes, probe)
+            else:
+                levels = list(self.model.hidden_states(probe)[1:])  # type: ignore[operator]
+        if levels and all(f.ndim == 3 for f in levels):
+            return _quarters(len(levels))
+        if self.source == "hf" or any(not n.startswith("features.") for n in self._nodes):
+            return list(range(len(levels)))
+        # A features list: the last layer at each resolution (the end of each stage).
+        sizes = [tuple(f.shape[-2:]) for f in levels]
+        return [i for i in range(len(sizes)) if i + 1 == len(sizes) or sizes[i + 1] != sizes[i]]
 
     def channels(self, img_size: tuple[int, int]) -> list[int]:
         """Channels of each tapped level, found with one probe pass at ``img_size``."""
@@ -78,13 +133,86 @@ class FeatureBackbone(nn.Module):
         return [f.shape[1] for f in self(probe)]
 
 
+def _feature_source(model: nn.Module) -> str:
+    if hasattr(model, "forward_intermediates"):
+        return "timm"
+    if is_hf_classifier(model):
+        return "hf"
+    if type(model).__module__.startswith("torchvision."):
+        return "torchvision"
+    raise ValueError(
+        f"{type(model).__name__} is neither a timm model (forward_intermediates), a torchvision classifier nor a "
+        "transformers one; name a timm backbone in AHAConfig.backbone"
+    )
+
+
+def _torchvision_nodes(model: nn.Module) -> list[str]:
+    """The candidate levels of a torchvision classifier, as module names create_feature_extractor returns."""
+    if is_torchvision_vit(model):
+        layers: Any = model.encoder.layers  # type: ignore[union-attr]  # is_torchvision_vit checked it
+        return [f"encoder.layers.{name}" for name, _ in layers.named_children()]
+    if all(isinstance(getattr(model, f"layer{i}", None), nn.Module) for i in range(1, 5)):
+        return [f"layer{i}" for i in range(1, 5)]  # ResNet, ResNeXt, Wide ResNet
+    features = getattr(model, "features", None)
+    if isinstance(features, nn.Sequential) and len(features) > 0:
+        return [f"features.{i}" for i in range(len(features))]
+    raise ValueError(f"cannot find the feature stages of torchvision's {type(model).__name__}; set AHAConfig.backbone")
+
+
+def _stage_outputs(model: nn.Module, names: list[str], z: torch.Tensor) -> list[torch.Tensor]:
+    """The first output of each module ``names`` in one pass of ``model`` on ``z``, by hooks of this call only."""
+    owner = threading.get_ident()
+    captured: dict[str, torch.Tensor] = {}
+
+    def hook(name: str) -> Any:
+        def record(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            # Another thread running the same model meanwhile fires this hook too: only this call's pass counts.
+            if threading.get_ident() == owner and name not in captured:
+                captured[name] = output[0] if isinstance(output, tuple) else output
+
+        return record
+
+    handles = []
+    try:
+        for name in dict.fromkeys(names):
+            handles.append(model.get_submodule(name).register_forward_hook(hook(name)))
+        model(z)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [n for n in names if n not in captured]
+    if missing:
+        raise RuntimeError(f"{type(model).__name__}: the levels {missing} did not run in the forward pass")
+    return [captured[n] for n in names]
+
+
+def _as_map(level: torch.Tensor, model: nn.Module, size: Sequence[int]) -> torch.Tensor:
+    """A (B, C, h, w) level as it is; (B, N, D) tokens without their prefix tokens on the patch grid."""
+    if level.ndim == 4:
+        return level
+    if level.ndim != 3:
+        raise ValueError(f"a backbone level of shape {tuple(level.shape)} is neither (B, C, h, w) nor (B, N, D)")
+    patch: Any = getattr(model, "patch_size", None) or getattr(getattr(model, "config", None), "patch_size", None)
+    ph, pw = (patch, patch) if isinstance(patch, int) else tuple(patch or (0, 0))
+    if not ph or not pw:
+        raise ValueError(f"{type(model).__name__} gives token levels but no patch_size to lay them on a grid")
+    rows, cols = int(size[0]) // ph, int(size[1]) // pw
+    prefix = level.shape[1] - rows * cols
+    if prefix < 0:
+        raise ValueError(f"{level.shape[1]} tokens do not fill the {rows} x {cols} patch grid")
+    return level[:, prefix:].transpose(1, 2).reshape(level.shape[0], level.shape[2], rows, cols)
+
+
+def _quarters(depth: int) -> list[int]:
+    # DPT-style taps: the ends of the four quarters of the network.
+    return sorted({max(0, round(depth * q / 4) - 1) for q in (1, 2, 3, 4)})
+
+
 def _default_layers(model: nn.Module) -> list[int]:
     blocks = getattr(model, "blocks", None)
     stages = getattr(model, "stages", None)
     if isinstance(blocks, nn.Sequential | nn.ModuleList) and len(blocks) >= 4 and stages is None:
-        depth = len(blocks)
-        # DPT-style taps: the ends of the four quarters of the network.
-        return sorted({max(0, round(depth * q / 4) - 1) for q in (1, 2, 3, 4)})
+        return _quarters(len(blocks))
     info = getattr(model, "feature_info", None)
     if info is not None:
         return list(range(len(info)))
@@ -98,21 +226,23 @@ def build_backbone(
     pretrained: bool = False,
     state: Mapping[str, torch.Tensor] | None = None,
 ) -> FeatureBackbone:
-    """The classifier's own backbone (``name=None``) or a separately built timm model, frozen, with its own mean/std.
+    """The classifier's own backbone (``name=None``: its timm, torchvision or transformers network) or a separately
+    built model (any name :func:`~attr_engine.classifier.load_classifier` takes), frozen, with its own mean/std.
 
     ``state``: the separate model's weights (as a checkpoint stores them); it is then built without ``pretrained``
     and loaded strictly, so a saved explainer is rebuilt from its own files, with no download.
     """
-    if name is None:
-        return FeatureBackbone(classifier.model, classifier.norm_mean, classifier.norm_std, layers)
     img_size = classifier.input_size[1] if classifier.input_size is not None else None
+    if name is None:
+        return FeatureBackbone(classifier.model, classifier.norm_mean, classifier.norm_std, layers, img_size)
     other = load_classifier(name, pretrained=pretrained and state is None, img_size=img_size)
     if state is not None:
         try:
             other.model.load_state_dict(dict(state), strict=True)
         except RuntimeError as err:
             raise ValueError(f"the stored weights of backbone {name!r} do not match it: {err}") from None
-    return FeatureBackbone(other.model, other.norm_mean, other.norm_std, layers).to(classifier.norm_mean.device)
+    backbone = FeatureBackbone(other.model, other.norm_mean, other.norm_std, layers, img_size)
+    return backbone.to(classifier.norm_mean.device)
 
 
 class _ConvUnit(nn.Module):

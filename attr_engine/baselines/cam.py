@@ -27,6 +27,7 @@ from torch import nn
 
 from attr_engine.baselines._captum import import_captum
 from attr_engine.explainer import Explainer
+from attr_engine.model_sources import is_torchvision_vit
 
 __all__ = ["GradCAM", "cnn_stage", "find_layer", "has_cnn_stage", "is_torchvision_vit", "is_vit", "layer_name"]
 
@@ -69,17 +70,6 @@ def token_grid(model: nn.Module, height: int, width: int) -> tuple[int, int]:
     else:
         rows, cols = embed.grid_size
     return int(rows), int(cols)
-
-
-def is_torchvision_vit(model: nn.Module) -> bool:
-    """Whether ``model`` is a torchvision ``VisionTransformer``: encoder blocks over a class token and patches."""
-    layers = getattr(getattr(model, "encoder", None), "layers", None)
-    return (
-        isinstance(layers, nn.Sequential)
-        and len(layers) > 0
-        and hasattr(model, "class_token")
-        and isinstance(getattr(model, "patch_size", None), int)
-    )
 
 
 # Layers a flat ``features`` list (torchvision VGG, AlexNet) is made of; a ``features`` of stages has other modules.

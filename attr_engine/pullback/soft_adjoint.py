@@ -8,11 +8,15 @@ layer                  backward inside the context
 =====================  =========================================================================================
 ReLU                   ``grad * Phi(z / relu_tau)`` (:func:`kernels.soft_gates.soft_gate`)
 ReLU6                  ``grad * (Phi(z / relu_tau) - Phi((z - 6) / relu_tau))``: the same soft step at both kinks
-GELU (erf, tanh)       ``grad * Phi(z / gelu_tau)``
-SiLU                   ``grad * sigmoid(z / silu_tau)``
+GELU (erf, tanh)       ``grad * Phi(z / gelu_tau)``; transformers' GELU variants (``GELUActivation``, ``NewGELU``,
+                       ``QuickGELU``, ...) keep their own value and take the same gate
+SiLU                   ``grad * sigmoid(z / silu_tau)`` (also transformers' ``SiLUActivation``)
 MaxPool2d              spread over each window by ``softmax(window / maxpool_tau)`` (``soft_maxpool2d``)
-LayerNorm              mean and variance held constant: ``grad * gamma / sigma`` per token
-softmax attention      attention weights held constant: the gradient flows through the values only
+LayerNorm              mean and variance held constant: ``grad * gamma / sigma`` per token (also timm's and
+                       torchvision's channel LayerNorm2d)
+softmax attention      attention weights held constant: the gradient flows through the values only (timm attention,
+                       ``nn.MultiheadAttention`` of torchvision's ViT, transformers attention in its "eager" or
+                       "sdpa" implementation; others, e.g. "flash_attention_2", are reported)
 BatchNorm, linear ops  unchanged (affine in eval mode, already their own adjoint)
 =====================  =========================================================================================
 
@@ -26,13 +30,18 @@ How layers are reached:
   thread, no context open, no gradient) runs the module's own forward. Subclasses that override ``forward`` are not
   assumed to behave like their base and are reported instead.
 - Functional calls inside a forward (``F.relu``, ``torch.relu``, ``F.relu6``, ``F.gelu``, ``F.silu``,
-  ``F.max_pool2d``, ``F.scaled_dot_product_attention``: timm's fused attention path) are covered by patching those
+  ``F.max_pool2d``, ``F.scaled_dot_product_attention``: timm's fused attention path; ``F.softmax`` /
+  ``torch.softmax``, soft only inside an attention module) are covered by patching those
   attributes of ``torch.nn.functional`` / ``torch`` while at least one context is open. The patched functions are
   soft only in the thread that entered a context (a thread-local stack), so other threads keep the plain
   functions; names bound at import time (``from torch.nn.functional import relu``) and tensor methods
   (``x.relu()``) are out of reach.
 - timm attention modules that compute the softmax explicitly (``fused_attn`` False) get their weights held
   constant at their ``attn_drop`` module, which every timm attention applies to the softmax before ``@ v``.
+- ``nn.MultiheadAttention`` and transformers attention modules run their own forward with every ``F.softmax`` /
+  ``torch.softmax`` in it held constant (inside an attention module the softmax is the attention softmax), and
+  their SDPA path is held by the ``F.scaled_dot_product_attention`` patch. torchvision's and transformers' layers
+  are known by module and class name, so neither library is imported here.
 - Modules of unknown type that may carry gates (other activations, normalisation, attention and max-pooling
   layers) keep their plain backward and are listed in one ``warnings.warn``.
 
@@ -100,20 +109,55 @@ _MODULE_KINDS: dict[type[nn.Module], str] = {
     TimmAttention: "attention",
     TimmAttentionRope: "attention",
     PvtAttention: "attention",
+    nn.MultiheadAttention: "held_softmax",  # torchvision's ViT: SDPA, or F.softmax with need_weights
 }
+_HF_GELUS = (
+    "GELUActivation",
+    "GELUTanh",
+    "PytorchGELUTanh",
+    "NewGELUActivation",
+    "FastGELUActivation",
+    "QuickGELUActivation",
+    "AccurateGELUActivation",
+)
+# Layers of libraries attr-engine does not import (torchvision, transformers), matched by (module, class name): an
+# instance can only exist once its library is imported, so nothing is imported here to know them.
+_NAMED_KINDS: dict[tuple[str, str], str] = {
+    # permute -> F.layer_norm over the channels -> permute back: a LayerNorm over C of (B, C, H, W).
+    ("torchvision.models.convnext", "LayerNorm2d"): "layernorm2d",
+    # transformers' activations compute GELU (erf, or one of its tanh / sigmoid approximations) or SiLU their own
+    # way: the value is the module's own, bit for bit, and the backward the gate of the function it approximates.
+    **{("transformers.activations", name): "gelu_exact" for name in _HF_GELUS},
+    ("transformers.activations", "SiLUActivation"): "silu_exact",
+}
+# transformers' attention implementations whose softmax the functional patches reach (eager: F.softmax; sdpa:
+# F.scaled_dot_product_attention); flash / flex / paged kernels compute it out of reach.
+_HF_COVERED_ATTENTION = ("eager", "sdpa")
 # Subclasses with their own forward that only call functions the functional patches cover.
 _COVERED_BY_FUNCTIONAL_PATCH: tuple[type[nn.Module], ...] = (MaxPool2dSame,)
 # Class names of normalisation layers (LayerNorm2d, RmsNorm2dFp32, GroupNormAct, GlobalResponseNorm, ...).
 _NORM_NAME = re.compile(r"Norm(\d*d)?(Act)?(\d*d)?(Fp32)?$")
 
 
+def _hf_attention_implementation(module: nn.Module) -> str | None:
+    """The ``config._attn_implementation`` of a transformers attention module ("eager", "sdpa", ...), "eager" for
+    one without a config (older modules that compute their softmax inline), None for any other module."""
+    cls = type(module)
+    if not cls.__module__.startswith("transformers.") or "Attention" not in cls.__name__:
+        return None
+    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    return implementation if isinstance(implementation, str) else "eager"
+
+
 def _module_kind(module: nn.Module) -> str | None:
     cls = type(module)
     for base in cls.__mro__:
-        kind = _MODULE_KINDS.get(base)
+        kind = _MODULE_KINDS.get(base) or _NAMED_KINDS.get((base.__module__, base.__qualname__))
         if kind is not None and issubclass(base, nn.Module):  # always a Module (a key); narrows base for .forward
             # A subclass that overrides forward may do anything (e.g. LayerNorm + activation): not this kind.
             return kind if cls.forward is base.forward else None
+    if _hf_attention_implementation(module) in _HF_COVERED_ATTENTION:
+        return "held_softmax"
     return None
 
 
@@ -123,9 +167,14 @@ def _unknown_reason(module: nn.Module) -> str | None:
     name = cls.__name__
     if isinstance(module, _COVERED_BY_FUNCTIONAL_PATCH):
         return None
+    implementation = _hf_attention_implementation(module)
+    if implementation is not None:  # not covered, or _module_kind would have matched it
+        return f"attention (attn_implementation={implementation!r}; only 'eager' and 'sdpa' are covered)"
     if isinstance(module, nn.modules.batchnorm._BatchNorm) or "BatchNorm" in name:
         return None  # affine in eval mode: the plain backward is its adjoint
-    if cls.__module__ == "torch.nn.modules.activation" or cls.__module__.startswith("timm.layers.activations"):
+    if cls.__module__ == "torch.nn.modules.activation" or cls.__module__.startswith(
+        ("timm.layers.activations", "transformers.activations")
+    ):
         return "activation"
     norm_types = (nn.GroupNorm, nn.LocalResponseNorm, nn.LayerNorm, nn.RMSNorm, nn.modules.instancenorm._InstanceNorm)
     if isinstance(module, norm_types) or _NORM_NAME.search(name):
@@ -239,6 +288,40 @@ def _gate_forward(module: nn.Module, plain: Callable[..., Any], kind: str, tau: 
     return forward
 
 
+def _exact_gate_forward(plain: Callable[..., Any], kind: str, tau: float) -> Callable[..., Any]:
+    """The module's own value, bit for bit, with the soft gate of ``kind`` ("gelu": ``Phi(z / tau)``, "silu":
+    ``sigmoid(z / tau)``) as its gradient: for activations that compute a GELU or SiLU their own way."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not _needs_grad(x):
+            return plain(x)
+        with _suspended():
+            with torch.no_grad():
+                exact = plain(x)
+            xd = x.detach()
+            xf = xd.to(torch.float64 if xd.dtype == torch.float64 else torch.float32)
+            gate = torch.sigmoid(xf / tau) if kind == "silu" else torch.special.ndtr(xf / tau)
+            # The gradient rides on a term that is exactly zero in the forward, as in _soft_relu6.
+            return exact + (x - xd) * gate.to(x.dtype)
+
+    return forward
+
+
+def _held_softmax_forward(plain: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an attention module's own forward with every ``F.softmax`` / ``torch.softmax`` in it held constant
+    (transformers' eager attention, nn.MultiheadAttention with ``need_weights``); its SDPA path is held by the
+    ``F.scaled_dot_product_attention`` patch. Inside an attention module the softmax is the attention softmax."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        _THREAD.held = getattr(_THREAD, "held", 0) + 1
+        try:
+            return plain(*args, **kwargs)
+        finally:
+            _THREAD.held -= 1
+
+    return forward
+
+
 def _maxpool_forward(module: nn.MaxPool2d, plain: Callable[..., Any], tau: float) -> Callable[..., Any]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not _needs_grad(x) or x.ndim != 4:
@@ -286,6 +369,8 @@ _FUNCTIONAL_TARGETS: tuple[tuple[Any, str], ...] = (
     (F, "silu"),
     (F, "max_pool2d"),
     (F, "scaled_dot_product_attention"),
+    (F, "softmax"),
+    (torch, "softmax"),
 )
 
 
@@ -365,6 +450,21 @@ def _soft_sdpa_fn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
         return _original(F, "scaled_dot_product_attention")(query.detach(), key.detach(), value, *args, **kwargs)
 
 
+def _held(input: torch.Tensor) -> bool:
+    """Whether a softmax of ``input`` is held constant: inside an attention module's soft forward (this thread)."""
+    return bool(getattr(_THREAD, "held", 0)) and _active() is not None and _needs_grad(input)
+
+
+def _soft_softmax_fn(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    out = _original(F, "softmax")(input, *args, **kwargs)
+    return out.detach() if _held(input) else out
+
+
+def _soft_torch_softmax(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    out = _original(torch, "softmax")(input, *args, **kwargs)
+    return out.detach() if _held(input) else out
+
+
 _SOFT_FUNCTIONS: dict[tuple[Any, str], Callable[..., Any]] = {
     (F, "relu"): _soft_relu_fn,
     (torch, "relu"): _soft_torch_relu,
@@ -373,6 +473,8 @@ _SOFT_FUNCTIONS: dict[tuple[Any, str], Callable[..., Any]] = {
     (F, "silu"): _soft_silu_fn,
     (F, "max_pool2d"): _soft_max_pool2d_fn,
     (F, "scaled_dot_product_attention"): _soft_sdpa_fn,
+    (F, "softmax"): _soft_softmax_fn,
+    (torch, "softmax"): _soft_torch_softmax,
 }
 
 
@@ -520,6 +622,10 @@ class SoftAdjoint:
         }
         if kind in gate_taus:
             return _gate_forward(module, plain, kind, gate_taus[kind])
+        if kind in ("gelu_exact", "silu_exact"):
+            return _exact_gate_forward(plain, kind.removesuffix("_exact"), gate_taus[kind.removesuffix("_exact")])
+        if kind == "held_softmax":
+            return _held_softmax_forward(plain) if self.attention else None
         if kind == "maxpool":
             pool = cast(nn.MaxPool2d, module)  # _module_kind matched its class
             return None if pool.return_indices else _maxpool_forward(pool, plain, self.maxpool_tau)
