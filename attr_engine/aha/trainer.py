@@ -273,7 +273,9 @@ class _Loop:
         if self.stopper is not None:
             validation = self.stopper.state()
             state.update(validation=validation, val_images=self.val_images, restored=restored)
-            extra = {"validation": {**validation, "val_images": self.val_images, "restored": restored}}
+            # The metadata is for readers: the running loss sums only matter to a resumed run (the trainer state).
+            shown = {k: v for k, v in validation.items() if not k.startswith("loss_")}
+            extra = {"validation": {**shown, "val_images": self.val_images, "restored": restored}}
             best = self.stopper.best_state
         save_training_checkpoint(self.aha, self.checkpoint_dir, state, step=self.step, world=self.world,
                                  lineage=self.lineage, best_state=best, extra_meta=extra)  # fmt: skip
