@@ -1,19 +1,25 @@
-"""AHA training with a validation set: the hard score, early stopping, the best weights, resuming."""
+"""AHA training with a validation set: the hard score, early stopping, the best weights, resuming, the CLI flag."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import attr_engine.aha.trainer as trainer
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.persistence import BEST_FILE
 from attr_engine.aha.validation import EarlyStopping, score_validation
+from attr_engine.cli import main
+from attr_engine.data.split import holdout_split
 from attr_engine.metrics import deletion_insertion
 from tests.aha_helpers import colour_classifier, colour_images
+from tests.eval_helpers import untrained_resnet_checkpoint
 from tests.test_aha import FAST, _Pairs, _weights
 
 CPU = torch.device("cpu")
@@ -160,3 +166,70 @@ def test_early_stopping_counts_only_gains_above_min_delta():
     assert not stopper.stopped
     assert not stopper.record(11, {"deletion": 0.3, "insertion": 0.7}, decoder) and stopper.stopped
     assert stopper.best_step == 9 and stopper.best_composite == pytest.approx(0.35)
+
+
+def test_the_holdout_split_depends_on_names_and_seed_not_on_listing_order():
+    class Listed:
+        def __init__(self, names: list[str]) -> None:
+            self.root = Path("root")
+            self.samples = [(self.root / n, 0) for n in names]
+
+        def __len__(self) -> int:
+            return len(self.samples)
+
+    names = [f"c{i % 3}/img{i:02d}.png" for i in range(20)]
+    kept, held = holdout_split(Listed(names), 0.25, seed=3)
+    assert len(held) == 5 and sorted(kept + held) == list(range(20))
+    shuffled = [names[i] for i in torch.randperm(20, generator=torch.Generator().manual_seed(1)).tolist()]
+    _, held2 = holdout_split(Listed(shuffled), 0.25, seed=3)
+    assert sorted(shuffled[i] for i in held2) == sorted(names[i] for i in held)
+    assert holdout_split(Listed(names), 0.25, seed=4)[1] != held
+    for fraction in (0.0, 1.0, 1.5, 0.01):
+        with pytest.raises(ValueError, match="fraction"):
+            holdout_split(Listed(names), fraction, seed=0)
+
+
+def _folder(root: Path, per_class: int = 5) -> Path:
+    rng = np.random.default_rng(0)
+    for label in ("a", "b"):
+        (root / label).mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray((rng.random((32, 32, 3)) * 255).astype(np.uint8)).save(root / label / f"{i}.png")
+    return root
+
+
+def _fast_config(root: Path) -> Path:
+    path = root / "aha.yaml"
+    fields = {
+        **FAST,
+        "n_fractions": 4,
+        "n_iters": 5,
+        "targets": "pred",
+        "grid_range": list(FAST["grid_range"]),
+        "val_fractions": 2,
+    }
+    path.write_text(json.dumps({"aha": fields}))  # JSON is YAML
+    return path
+
+
+def test_train_aha_val_fraction_end_to_end(tmp_path, capsys):
+    clf = str(untrained_resnet_checkpoint(tmp_path))
+    data, out = _folder(tmp_path / "images"), tmp_path / "aha"
+    args = ["train-aha", "--classifier", clf, "--data", str(data), "--out", str(out), "--img-size", "32",
+            "--batch-size", "2", "--max-steps", "2", "--val-fraction", "0.2", "--val-every", "1", "--no-progress",
+            "--config", str(_fast_config(tmp_path))]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "validation: best composite" in printed and "val_curve.png" in printed
+    summary = json.loads((out / "train.json").read_text())
+    assert summary["val_images"] == 2 and summary["val_fraction"] == 0.2
+    curve = summary["validation"]["curve"]
+    assert [p["step"] for p in curve] == [0, 1, 2] and summary["steps_trained"] == 2
+    assert summary["validation"]["best_step"] in [p["step"] for p in curve]
+    assert (out / "val_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "config.json").read_text())["validation"]["curve"] == curve
+
+    for fraction, message in (("0", "must be in (0, 1)"), ("1.5", "must be in (0, 1)"), ("0.01", "holds out 0")):
+        bad = [a if a != "0.2" else fraction for a in args]
+        assert main([*bad, "--overwrite"]) == 2
+        assert "--val-fraction: " in (err := capsys.readouterr().err) and message in err, err
