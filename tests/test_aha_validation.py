@@ -229,7 +229,7 @@ def test_train_aha_val_fraction_end_to_end(tmp_path, capsys):
     assert (out / "val_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "config.json").read_text())["validation"]["curve"] == curve
 
-    for fraction, message in (("0", "must be in (0, 1)"), ("1.5", "must be in (0, 1)"), ("0.01", "holds out 0")):
+    for fraction, message in (("0", "must be in (0, 1)"), ("nan", "must be in (0, 1)"), ("0.01", "holds out 0")):
         bad = [a if a != "0.2" else fraction for a in args]
         assert main([*bad, "--overwrite"]) == 2
         assert "--val-fraction: " in (err := capsys.readouterr().err) and message in err, err

@@ -87,7 +87,8 @@ def fit(
         batch_size: images per step and process (a Dataset only; also the images per validation batch).
         checkpoint_dir: where checkpoints go (written every ``checkpoint_every`` steps and at the end).
         resume: a checkpoint directory to continue from (optimizer, schedule, RNG and data position included; with
-            ``val``, the curve, the best weights so far and the patience count too).
+            ``val``, the curve, the best weights so far and the patience count too). The final checkpoint of a run
+            with ``val`` holds the restored best decoder: resumed with a larger cap, training continues from it.
         num_workers: DataLoader workers for a Dataset.
         progress: show a tqdm bar (rank 0 only), with the latest validation composite as ``val``.
         val: held-out images scored by the hard composite, insertion AUC - deletion AUC

@@ -263,6 +263,8 @@ def run_train_aha(args: argparse.Namespace) -> int:
 
     for flag in ("epochs", "batch_size", "max_steps", "checkpoint_every", "num_images", "val_every", "patience"):
         _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    if args.val_fraction is not None and not 0 < args.val_fraction < 1:  # NaN too: checked before any loading
+        raise UsageError(f"--val-fraction: the validation fraction must be in (0, 1), got {args.val_fraction}")
     rank, world = process_rank()
     device = resolve_device(args.device)
     config = aha_config_from_args(args)
