@@ -12,7 +12,9 @@ Percentile rather than min-max scaling keeps one hot pixel from washing out the 
 blank. Over an image the colour's opacity grows with ``|value|`` (up to ``alpha``), so pixels the map gives nothing
 stay visible as the image; NaN pixels (outside the classifier's crop, see :func:`attr_engine.imageops.to_image_frame`)
 get no colour. Grids carry a colour bar per method and a label per row (class and probability); curve plots give
-every method its own colour and draw insertion against the fraction of pixels inserted.
+every method its own colour and draw insertion against the fraction of pixels inserted. A training run's validation
+curve (:func:`plot_validation_curve`, what ``train-aha --val-fraction`` writes) shows the score per step, the best
+one marked, with the training loss on a second axis.
 
 One input's picture (:func:`save_map_figure`, what ``attr-engine explain --png`` writes) is the same style on its
 own: the overlay (optionally the image beside it), a colour bar in the map's own values and a one-line caption
@@ -48,6 +50,7 @@ __all__ = [
     "overlay",
     "plot_curves",
     "plot_maps",
+    "plot_validation_curve",
     "save_map_figure",
     "save_overlay",
 ]
@@ -553,4 +556,53 @@ def plot_curves(
         fig.suptitle(title, fontsize=12)
     rows = -(-len(handles) // 3)
     fig.tight_layout(rect=(0, 0.07 * rows + 0.02, 1, 1))
+    return _save(fig, path)
+
+
+def plot_validation_curve(
+    curve: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], *, best_step: int | None = None, title: str = ""
+) -> Path:
+    """A training run's validation composite (insertion AUC - deletion AUC) per step, the best score marked, and
+    the mean training loss between scores on a second axis; written as PNG.
+
+    Args:
+        curve: one record per score with ``step``, ``composite`` and ``loss`` (None before the first step), as
+            :class:`attr_engine.aha.validation.EarlyStopping` keeps them.
+        path: the PNG to write (atomically, parents created).
+        best_step: the step whose weights training kept (marked; None: not marked).
+    """
+    from matplotlib import colormaps
+    from matplotlib.ticker import MaxNLocator
+
+    if not curve:
+        raise ValueError("curve is empty")
+    steps = [int(p["step"]) for p in curve]
+    composite = [float(p["composite"]) for p in curve]
+    blue, grey = colormaps["tab10"](0), (0.45, 0.45, 0.45)
+    fig = _figure(6.4, 3.8)
+    ax = fig.subplots()
+    ax.plot(steps, composite, color=blue, marker="o", markersize=3.5, linewidth=1.8, label="validation composite")
+    if best_step is not None and best_step in steps:
+        best = composite[steps.index(best_step)]
+        ax.plot([best_step], [best], marker="*", markersize=13, color="#d62728", linestyle="none",
+                label=f"kept: step {best_step} ({best:.3f})")  # fmt: skip
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("optimiser step", fontsize=10)
+    ax.set_ylabel("insertion AUC - deletion AUC (hard)", fontsize=10, color=blue)
+    ax.grid(alpha=0.3)
+    ax.tick_params(labelsize=9)
+    losses = [(s, float(p["loss"])) for s, p in zip(steps, curve, strict=True) if p.get("loss") is not None]
+    handles, labels = ax.get_legend_handles_labels()
+    if losses:
+        twin = ax.twinx()
+        (line,) = twin.plot([s for s, _ in losses], [v for _, v in losses], color=grey, linestyle="--",
+                            linewidth=1.2)  # fmt: skip
+        twin.set_ylabel("training loss (mean since previous score)", fontsize=9, color=grey)
+        twin.tick_params(labelsize=8, colors=grey)
+        handles, labels = [*handles, line], [*labels, "training loss"]
+    # Above the axes, where no line of either axis can run under it.
+    ax.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
     return _save(fig, path)

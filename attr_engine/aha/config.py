@@ -113,6 +113,16 @@ class AHAConfig:
             Integrated Gradients' 50; 8 fractions scored alike and cost more than IG-50 on one of the four.
         refine_grid_range: grids drawn per step; ``None`` = the lower half of ``grid_range`` (7..14 at 64 and
             224 px, 4..8 at 32 px), because the sorter's cost grows with the square of the cell count.
+
+    Validation and early stopping (used only by ``AHA.fit(..., val=...)``; see :func:`attr_engine.aha.trainer.fit`
+    for the budget rule). Project choices, not measured against alternatives:
+        val_every: optimiser steps between two scores of the validation set (50; also once before the first step
+            and once after the last).
+        patience: scores in a row without an improvement before training stops (5).
+        min_delta: the gain of the validation composite (insertion AUC - deletion AUC, hard curves) over the best
+            so far that counts as an improvement (0.001).
+        val_fractions: fraction intervals of each validation curve (8, i.e. 9 points: the curve engine makes
+            ``2 x (val_fractions - 1)`` classifier passes per image; the AHA protocol's reported scores use 20).
     """
 
     backbone: str | None = None
@@ -149,6 +159,11 @@ class AHAConfig:
     refine_fractions: int = 6
     refine_grid_range: tuple[int, int] | None = None
 
+    val_every: int = 50
+    patience: int = 5
+    min_delta: float = 1e-3
+    val_fractions: int = 8
+
     def __post_init__(self) -> None:
         # Frozen: normalised values (lists from JSON -> tuples, ints -> floats) are written with object.__setattr__.
         def put(name: str, value: Any) -> None:
@@ -165,6 +180,11 @@ class AHAConfig:
         check_int_at_least(self.n_iters, "n_iters", 1)
         check_int_at_least(self.n_fractions, "n_fractions", 2)  # a curve needs two points
         check_int_at_least(self.refine_fractions, "refine_fractions", 2)
+        check_int_at_least(self.val_every, "val_every", 1)
+        check_int_at_least(self.patience, "patience", 1)
+        # One interval has only the two ends, which do not depend on the map: the score could never change.
+        check_int_at_least(self.val_fractions, "val_fractions", 2)
+        put("min_delta", check_non_negative(self.min_delta, "min_delta"))
         if check_int(self.refine_depth, "refine_depth") not in (1, 2):
             raise ValueError(f"refine_depth must be 1 or 2 (decoder layers refined per image), got {self.refine_depth}")
         for name in ("grid_range", "refine_grid_range"):

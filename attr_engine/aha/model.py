@@ -16,6 +16,7 @@ from attr_engine.aha.loss import soft_auc_loss, standardise, target_probabilitie
 from attr_engine.aha.network import Decoder, FeatureBackbone, PerImageTail, build_backbone
 from attr_engine.aha.persistence import WEIGHTS_FILE, load_checkpoint, save_explainer
 from attr_engine.aha.trainer import fit as train_decoder
+from attr_engine.aha.validation import ValData
 from attr_engine.classifier import Classifier
 from attr_engine.explainer import Explainer, register_explainer
 from attr_engine.imageops import reference_image
@@ -228,7 +229,7 @@ class AHA(nn.Module, Explainer):
         self,
         data: Dataset | DataLoader,
         *,
-        epochs: int = 1,
+        epochs: int | None = None,
         batch_size: int = 32,
         max_steps: int | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None,
@@ -236,15 +237,24 @@ class AHA(nn.Module, Explainer):
         resume: str | os.PathLike[str] | None = None,
         num_workers: int = 0,
         progress: bool = True,
+        val: ValData | None = None,
     ) -> dict[str, list[float]]:
         """Train the decoder on ``data`` (see :func:`attr_engine.aha.trainer.fit` for every detail).
 
+        Without ``val``: ``epochs`` passes (default 1), at most ``max_steps`` steps. With ``val`` (held-out images:
+        a Dataset, a DataLoader or a (N, 3, H, W) tensor): scored every ``config.val_every`` steps by the hard
+        composite (insertion AUC - deletion AUC), training stops after ``config.patience`` scores without an
+        improvement of more than ``config.min_delta`` (capped at ``max_steps`` and ``epochs``, default 10) and the
+        decoder ends with the weights of its best score.
+
         Returns:
-            History with per-step ``loss``, ``deletion``, ``insertion``, ``tau`` and ``lr``.
+            History with per-step ``loss``, ``deletion``, ``insertion``, ``tau`` and ``lr``; with ``val`` also the
+            curve, one entry per score: ``val_step``, ``val_composite``, ``val_deletion``, ``val_insertion`` and
+            ``val_loss``.
         """
         return train_decoder(
             self, data, epochs=epochs, batch_size=batch_size, max_steps=max_steps, checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every, resume=resume, num_workers=num_workers, progress=progress,
+            checkpoint_every=checkpoint_every, resume=resume, num_workers=num_workers, progress=progress, val=val,
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------------------

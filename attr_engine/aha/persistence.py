@@ -10,7 +10,9 @@ Layout: ``AHA.save(path)`` writes ``path/explainer.safetensors`` (decoder weight
 ``path/config.json`` (config and provenance, :func:`checkpoint_metadata`). A training output directory ``OUT``
 holds whole checkpoints in ``OUT/checkpoints/step-<8 digits>/``, each with those two files and
 ``trainer.safetensors`` (optimizer, scheduler and RNG state plus the position in the data, pickle-free), and an
-``OUT/config.json`` whose ``checkpoint`` key points at the current one. A step directory is written under a
+``OUT/config.json`` whose ``checkpoint`` key points at the current one. A run with a validation set also keeps
+``best.safetensors`` (the decoder's weights at its best validation score so far) in each step directory, and its
+curve under ``validation`` in both ``config.json`` files. A step directory is written under a
 temporary name and renamed into place whole, then the pointer is switched atomically, then older step directories
 are removed (the previous one is kept): a kill at any moment leaves the previous checkpoint intact and loadable.
 :func:`checkpoint_dir` follows the pointer; resuming takes the newest complete step directory
@@ -55,6 +57,7 @@ from attr_engine.classifier import (
 
 __all__ = [
     "BACKBONE_PREFIX",
+    "BEST_FILE",
     "CHECKPOINTS_DIR",
     "CONFIG_FILE",
     "FORMAT",
@@ -82,6 +85,8 @@ FORMAT = "attr_engine.aha/1"
 WEIGHTS_FILE = "explainer.safetensors"
 CONFIG_FILE = "config.json"
 TRAINER_FILE = "trainer.safetensors"
+# A run with a validation set: the decoder's weights at the best score so far, beside the step's own.
+BEST_FILE = "best.safetensors"
 # Training checkpoints: OUT/checkpoints/step-<8 digits>/ each hold a whole checkpoint; OUT/config.json points at one.
 CHECKPOINTS_DIR = "checkpoints"
 POINTER_KEY = "checkpoint"
@@ -95,6 +100,7 @@ BACKBONE_PREFIX = "backbone."
 _CONFIG_BOUNDS = {
     "n_fractions": 1024,
     "refine_fractions": 1024,
+    "val_fractions": 1024,
     "n_iters": 10_000,
     "peak_kernel": 2 * MAX_FILE_IMG_SIZE,
 }
@@ -236,16 +242,19 @@ def checkpoint_metadata(explainer: Checkpointable) -> dict[str, Any]:
     }
 
 
-def save_explainer(explainer: Checkpointable, path: str | os.PathLike[str]) -> Path:
+def save_explainer(
+    explainer: Checkpointable, path: str | os.PathLike[str], extra_meta: Mapping[str, Any] | None = None
+) -> Path:
     """Write ``explainer``'s decoder (and a separate backbone, ``config.backbone``) to directory ``path``.
 
     The classifier's own backbone is not saved (it comes from the classifier when loading); a separate one is saved
-    under :data:`BACKBONE_PREFIX`, so loading never downloads or opens anything else.
+    under :data:`BACKBONE_PREFIX`, so loading never downloads or opens anything else. ``extra_meta`` (JSON values)
+    joins :func:`checkpoint_metadata` in ``config.json``.
     """
     weights = dict(explainer.decoder.state_dict())
     if explainer.config.backbone is not None:
         weights.update({BACKBONE_PREFIX + k: v for k, v in explainer.backbone.model.state_dict().items()})
-    return write_checkpoint(path, weights, checkpoint_metadata(explainer))
+    return write_checkpoint(path, weights, {**checkpoint_metadata(explainer), **(extra_meta or {})})
 
 
 def write_checkpoint(path: str | os.PathLike[str], weights: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> Path:
@@ -401,13 +410,23 @@ def check_loadable(
 
 
 def save_training_checkpoint(
-    explainer: Checkpointable, out: Path, trainer_state: dict[str, Any], *, step: int, world: int, lineage: list[Path]
+    explainer: Checkpointable,
+    out: Path,
+    trainer_state: dict[str, Any],
+    *,
+    step: int,
+    world: int,
+    lineage: list[Path],
+    best_state: Mapping[str, torch.Tensor] | None = None,
+    extra_meta: Mapping[str, Any] | None = None,
 ) -> None:
     """Write a whole step directory of ``explainer`` and ``trainer_state`` under ``out``, rename it into place,
     switch the pointer, then prune older step directories.
 
     ``lineage`` lists the step directories this run may keep (updated in place): the new one and the one before it
-    stay, older ones (another run's, or superseded) go once the new one is in place.
+    stay, older ones (another run's, or superseded) go once the new one is in place. ``best_state``: the decoder's
+    best weights so far (a run with a validation set), written as :data:`BEST_FILE` inside the step directory, so
+    they are renamed into place with it; ``extra_meta`` joins both ``config.json`` files.
     """
     root = out / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
@@ -415,7 +434,9 @@ def save_training_checkpoint(
     tmp = fresh_dir(root, prefix=f".{final.name}.")
     try:
         save_state(trainer_state, tmp / TRAINER_FILE, {"step": str(step), "world": str(world)})
-        save_explainer(explainer, tmp)
+        if best_state is not None:
+            save_safetensors(dict(best_state), tmp / BEST_FILE, {"step": str(trainer_state["validation"]["best_step"])})
+        save_explainer(explainer, tmp, extra_meta)
         if final.exists():  # the same step saved again (a resumed run that ends where it started): replace it
             _discard(final, root)
         os.replace(tmp, final)  # the commit point of the checkpoint: one directory rename
@@ -424,7 +445,8 @@ def save_training_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     # The pointer is switched only now, so it never names a directory that is not whole.
-    save_json({**checkpoint_metadata(explainer), POINTER_KEY: f"{CHECKPOINTS_DIR}/{final.name}"}, out / CONFIG_FILE)
+    pointer = {**checkpoint_metadata(explainer), **(extra_meta or {}), POINTER_KEY: f"{CHECKPOINTS_DIR}/{final.name}"}
+    save_json(pointer, out / CONFIG_FILE)
     for legacy in (out / WEIGHTS_FILE, out / TRAINER_FILE):
         legacy.unlink(missing_ok=True)  # a flat checkpoint of an older layout; the pointer supersedes it
     if final not in lineage:
@@ -466,7 +488,8 @@ def has_checkpoint(path: str | os.PathLike[str]) -> bool:
 def read_training_checkpoint(explainer: Checkpointable, directory: Path) -> tuple[dict[str, torch.Tensor], Any]:
     """The decoder weights and the trainer state of the training checkpoint in ``directory``, checked to continue
     ``explainer``'s training: the same classifier, the same (resolved) config, weights that fit its decoder and a
-    trainer state of the same step.
+    trainer state of the same step. A run with a validation set's best weights (:data:`BEST_FILE`) are checked the
+    same way and returned in the state as ``best_decoder``.
 
     Raises:
         FileNotFoundError, ValueError: naming the directory and what is wrong.
@@ -481,6 +504,14 @@ def read_training_checkpoint(explainer: Checkpointable, directory: Path) -> tupl
         raise ValueError(
             f"{directory}: trainer state (step {meta.get('step')}) and weights disagree (torn checkpoint?)"
         )
+    validation = state.get("validation") if isinstance(state, dict) else None
+    if validation is not None and validation.get("best_step") is not None:
+        device = explainer.classifier.norm_mean.device
+        best, best_meta = load_safetensors(directory / BEST_FILE, device=device, finite=True)
+        check_state_shapes(explainer.decoder, best, directory / BEST_FILE, "the explainer architecture")
+        if best_meta.get("step") != str(validation["best_step"]):
+            raise ValueError(f"{directory / BEST_FILE} is not the best step the trainer state names (torn checkpoint?)")
+        state["best_decoder"] = best
     return loaded.decoder_state, state
 
 

@@ -10,6 +10,12 @@ exists, each rank takes every world-th example of the epoch's permutation, ``bat
 the decoder is wrapped in DistributedDataParallel (the classifier and backbone are frozen). Rank 0 writes the
 checkpoints.
 
+Validation (``fit(..., val=...)``): the hard composite on held-out images every ``config.val_every`` steps, early
+stopping and the best weights (:mod:`attr_engine.aha.validation`). Scoring draws nothing from the training
+generator, so a run with validation takes the same steps as one without (of the same cap) until it stops; its
+checkpoints also hold the curve, the patience count and the best weights so far, so a resumed run continues all
+three.
+
 Checkpoints: what goes into one (optimizer, scheduler and generator state, the step) is decided here; the directory
 layout, the pointer and the choice of a checkpoint to resume are :mod:`attr_engine.aha.persistence`'s. This module
 trains whatever has the :class:`Trainee` attributes (:class:`attr_engine.aha.model.AHA` does) and does not import
@@ -33,6 +39,7 @@ from tqdm.auto import tqdm
 from attr_engine._training import collate_images_labels, warmup_cosine
 from attr_engine.aha.loss import soft_auc_loss
 from attr_engine.aha.persistence import Checkpointable, latest_training_checkpoint, save_training_checkpoint
+from attr_engine.aha.validation import EarlyStopping, ValData, check_val_data, score_validation
 from attr_engine.imageops import reference_image, scaled_blur
 from kernels._validate import check_int_at_least
 
@@ -45,11 +52,15 @@ class Trainee(Checkpointable, Protocol):
     def device(self) -> torch.device: ...
 
 
+# The cap of a run with a validation set when neither ``epochs`` nor ``max_steps`` is given (see fit's docstring).
+VAL_EPOCHS_CAP = 10
+
+
 def fit(
     aha: Trainee,
     data: Dataset | DataLoader,
     *,
-    epochs: int = 1,
+    epochs: int | None = None,
     batch_size: int = 32,
     max_steps: int | None = None,
     checkpoint_dir: str | os.PathLike[str] | None = None,
@@ -57,24 +68,91 @@ def fit(
     resume: str | os.PathLike[str] | None = None,
     num_workers: int = 0,
     progress: bool = True,
+    val: ValData | None = None,
 ) -> dict[str, list[float]]:
     """Train ``aha``'s decoder.
+
+    Budget: without ``val``, ``epochs`` passes over the data (default 1), at most ``max_steps`` steps. With ``val``
+    the run lasts until the validation score has not improved by more than ``config.min_delta`` for
+    ``config.patience`` scores in a row (one every ``config.val_every`` steps, one before the first step and one
+    after the last), capped at ``max_steps`` and ``epochs`` passes (default :data:`VAL_EPOCHS_CAP` = 10); the decoder
+    then gets the weights of its best score back. The warm-up, the cosine decay and the temperature anneal span the
+    cap, so a run that stops early stops with the learning rate and ``tau`` above their final values.
 
     Args:
         data: a map-style Dataset of ``(image (3, H, W) in [0, 1], label, ...)`` items (label -1 = unknown), or a
             DataLoader yielding ``(images (B, 3, H, W), labels (B,), ...)`` batches (its own order is then used and
             resuming skips the batches already seen in the interrupted epoch).
         epochs: passes over the data; max_steps: stop after this many optimiser steps in total.
-        batch_size: images per step and process (a Dataset only).
+        batch_size: images per step and process (a Dataset only; also the images per validation batch).
         checkpoint_dir: where checkpoints go (written every ``checkpoint_every`` steps and at the end).
-        resume: a checkpoint directory to continue from (optimizer, schedule, RNG and data position included).
+        resume: a checkpoint directory to continue from (optimizer, schedule, RNG and data position included; with
+            ``val``, the curve, the best weights so far and the patience count too). The final checkpoint of a run
+            with ``val`` holds the restored best decoder: resumed with a larger cap, training continues from it.
         num_workers: DataLoader workers for a Dataset.
-        progress: show a tqdm bar (rank 0 only).
+        progress: show a tqdm bar (rank 0 only), with the latest validation composite as ``val``.
+        val: held-out images scored by the hard composite, insertion AUC - deletion AUC
+            (:mod:`attr_engine.aha.validation`): a Dataset or DataLoader as ``data``, or images (N, 3, H, W) or a
+            tuple (images, labels, ...) of tensors. Under DDP each rank scores its share.
 
     Returns:
-        Per-step history: ``loss``, ``deletion``, ``insertion``, ``tau``, ``lr``.
+        Per-step history: ``loss``, ``deletion``, ``insertion``, ``tau``, ``lr`` (this run's steps). With ``val``
+        also one entry per score, over the whole curve (a resumed run's included): ``val_step``,
+        ``val_composite``, ``val_deletion``, ``val_insertion``, ``val_loss`` (mean training loss since the previous
+        score; NaN before the first step). The curve is in the checkpoint's ``config.json`` under ``validation``.
+
+    Raises:
+        ValueError: a bad count, an empty or unusable ``val``, or a ``resume`` checkpoint of a run with a validation
+            set resumed without one (or with one of another size).
     """
-    check_int_at_least(epochs, "epochs", 1)
+    _check_fit_args(epochs, batch_size, max_steps, checkpoint_every, checkpoint_dir)
+    val_images = check_val_data(val) if val is not None else None
+    cfg = aha.config
+    rank, world = _init_distributed(aha.device)
+    per_epoch = _steps_per_epoch(data, batch_size, world)
+    if per_epoch == 0:
+        raise ValueError(f"not enough data for one batch of {batch_size} per process (world size {world})")
+    epochs = epochs if epochs is not None else (VAL_EPOCHS_CAP if val is not None else 1)
+    total = epochs * per_epoch if max_steps is None else min(max_steps, epochs * per_epoch)
+
+    decoder = aha.decoder
+    decoder.train()
+    optimizer = torch.optim.AdamW(decoder.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total, round(cfg.warmup * total)))
+    # Every rank draws the same step choices (grid, offset, fractions, reference): the gradient DDP averages is the
+    # one a single process would get on the global batch. Only the Gumbel noise is decorrelated per rank.
+    gen = torch.Generator().manual_seed(cfg.seed)
+    stopper = EarlyStopping(cfg.patience, cfg.min_delta) if val is not None else None
+    step = 0
+    # Step directories this run may keep: older ones (another run's, or superseded) go once a newer one is in place.
+    lineage: list[Path] = []
+    if resume is not None:
+        step, resumed_from = _load_trainer_state(aha, Path(resume), optimizer, scheduler, gen, stopper, val_images)
+        lineage.append(resumed_from)
+    model: torch.nn.Module = decoder
+    if world > 1:
+        device = aha.device
+        model = DistributedDataParallel(decoder, device_ids=[device.index] if device.type == "cuda" else None)
+    loop = _Loop(aha, model, optimizer, scheduler, gen, rank, world, total, step, stopper, val, val_images,
+                 batch_size, num_workers, None if checkpoint_dir is None else Path(checkpoint_dir),
+                 checkpoint_every, lineage, progress)  # fmt: skip
+    try:
+        loop.run(data, per_epoch)
+    finally:
+        loop.bar.close()
+        decoder.eval()
+    return {**loop.history, **(stopper.history() if stopper is not None else {})}
+
+
+def _check_fit_args(
+    epochs: int | None,
+    batch_size: int,
+    max_steps: int | None,
+    checkpoint_every: int | None,
+    checkpoint_dir: str | os.PathLike[str] | None,
+) -> None:
+    if epochs is not None:
+        check_int_at_least(epochs, "epochs", 1)
     check_int_at_least(batch_size, "batch_size", 1)
     if max_steps is not None:
         check_int_at_least(max_steps, "max_steps", 1)
@@ -82,64 +160,126 @@ def fit(
         check_int_at_least(checkpoint_every, "checkpoint_every", 1)
         if checkpoint_dir is None:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
-    cfg = aha.config
-    device = aha.device
-    rank, world = _init_distributed(device)
 
-    per_epoch = _steps_per_epoch(data, batch_size, world)
-    if per_epoch == 0:
-        raise ValueError(f"not enough data for one batch of {batch_size} per process (world size {world})")
-    total = epochs * per_epoch if max_steps is None else min(max_steps, epochs * per_epoch)
 
-    decoder = aha.decoder
-    decoder.train()
-    optimizer = torch.optim.AdamW(decoder.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    warmup = round(cfg.warmup * total)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total, warmup))
-    # Every rank draws the same step choices (grid, offset, fractions, reference): the gradient DDP averages is the
-    # one a single process would get on the global batch. Only the Gumbel noise is decorrelated per rank.
-    gen = torch.Generator().manual_seed(cfg.seed)
-    step = 0
-    # Step directories this run may keep: older ones (another run's, or superseded) go once a newer one is in place.
-    lineage: list[Path] = []
-    if resume is not None:
-        step, resumed_from = _load_trainer_state(aha, Path(resume), optimizer, scheduler, gen)
-        lineage.append(resumed_from)
-    model: torch.nn.Module = decoder
-    if world > 1:
-        model = DistributedDataParallel(decoder, device_ids=[device.index] if device.type == "cuda" else None)
+class _Loop:
+    """One run of :func:`fit` past its set-up: the steps, the validation scores, the checkpoints and the end."""
 
-    history: dict[str, list[float]] = {k: [] for k in ("loss", "deletion", "insertion", "tau", "lr")}
-    bar = tqdm(total=total, initial=step, desc="AHA", disable=not progress or rank != 0, dynamic_ncols=True)
-    blur_kernel, blur_sigma = scaled_blur(aha.img_size)
-    try:
-        while step < total:
-            epoch, skip = divmod(step, per_epoch)
-            for x, labels in _epoch_batches(data, epoch, skip, batch_size, rank, world, cfg.seed, num_workers):
-                x, labels = x.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-                tau = cfg.tau_start + (cfg.tau_end - cfg.tau_start) * step / max(1, total - 1)
-                stats = _train_step(aha, model, x, labels, tau, gen, rank, blur_kernel, blur_sigma)
-                torch.nn.utils.clip_grad_norm_(decoder.parameters(), cfg.grad_clip or float("inf"))
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                aha.steps_trained += 1
-                for key, value in (*stats.items(), ("tau", tau), ("lr", float(scheduler.get_last_lr()[0]))):
-                    history[key].append(value)
-                bar.update(1)
-                bar.set_postfix(loss=f"{stats['loss']:.3f}", dele=f"{stats['deletion']:.3f}",
-                                ins=f"{stats['insertion']:.3f}")  # fmt: skip
-                if checkpoint_dir is not None and checkpoint_every and step % checkpoint_every == 0 and step < total:
-                    _save_checkpoint(aha, Path(checkpoint_dir), optimizer, scheduler, gen, step, rank, world, lineage)
-                if step >= total:
+    def __init__(
+        self,
+        aha: Trainee,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        gen: torch.Generator,
+        rank: int,
+        world: int,
+        total: int,
+        step: int,
+        stopper: EarlyStopping | None,
+        val: ValData | None,
+        val_images: int | None,
+        batch_size: int,
+        num_workers: int,
+        checkpoint_dir: Path | None,
+        checkpoint_every: int | None,
+        lineage: list[Path],
+        progress: bool,
+    ) -> None:
+        self.aha, self.model, self.optimizer, self.scheduler, self.gen = aha, model, optimizer, scheduler, gen
+        self.rank, self.world, self.total, self.step = rank, world, total, step
+        self.stopper, self.val, self.val_images = stopper, val, val_images
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.checkpoint_dir, self.checkpoint_every, self.lineage = checkpoint_dir, checkpoint_every, lineage
+        self.history: dict[str, list[float]] = {k: [] for k in ("loss", "deletion", "insertion", "tau", "lr")}
+        self.bar = tqdm(total=total, initial=step, desc="AHA", disable=not progress or rank != 0, dynamic_ncols=True)
+        self.blur_kernel, self.blur_sigma = scaled_blur(aha.img_size)
+        # The bar's figures: the latest step's soft AUCs and, with validation, the latest score (``val``).
+        self.postfix: dict[str, str] = {}
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total or (self.stopper is not None and self.stopper.stopped)
+
+    def run(self, data: Dataset | DataLoader, per_epoch: int) -> None:
+        """Train until the budget is spent or validation stops the run, then finish (:meth:`finish`)."""
+        cfg = self.aha.config
+        if self.stopper is not None and not self.stopper.curve:
+            self.evaluate()  # the curve starts where this run's training does
+        while not self.done:
+            epoch, skip = divmod(self.step, per_epoch)
+            batches = _epoch_batches(data, epoch, skip, self.batch_size, self.rank, self.world, cfg.seed,
+                                     self.num_workers)  # fmt: skip
+            for x, labels in batches:
+                self.optimise(x, labels)
+                if self.stopper is not None and self.step % cfg.val_every == 0:
+                    self.evaluate()
+                every = self.checkpoint_every
+                if self.checkpoint_dir is not None and every and self.step % every == 0 and not self.done:
+                    self.save()
+                if self.done:
                     break
-        if checkpoint_dir is not None:
-            _save_checkpoint(aha, Path(checkpoint_dir), optimizer, scheduler, gen, step, rank, world, lineage)
-    finally:
-        bar.close()
-        decoder.eval()
-    return history
+        self.finish()
+
+    def optimise(self, x: torch.Tensor, labels: torch.Tensor) -> None:
+        """One optimiser step on the batch, with its history entry and progress."""
+        aha, cfg, device = self.aha, self.aha.config, self.aha.device
+        x, labels = x.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        tau = cfg.tau_start + (cfg.tau_end - cfg.tau_start) * self.step / max(1, self.total - 1)
+        stats = _train_step(aha, self.model, x, labels, tau, self.gen, self.rank, self.blur_kernel, self.blur_sigma)
+        torch.nn.utils.clip_grad_norm_(aha.decoder.parameters(), cfg.grad_clip or float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        aha.steps_trained += 1
+        for key, value in (*stats.items(), ("tau", tau), ("lr", float(self.scheduler.get_last_lr()[0]))):
+            self.history[key].append(value)
+        if self.stopper is not None:
+            self.stopper.add_loss(stats["loss"])
+        self.bar.update(1)
+        self.postfix.update(loss=f"{stats['loss']:.3f}", dele=f"{stats['deletion']:.3f}",
+                            ins=f"{stats['insertion']:.3f}")  # fmt: skip
+        self.bar.set_postfix(self.postfix)
+
+    def evaluate(self) -> None:
+        """Score the validation set at the current step and record it."""
+        assert self.stopper is not None and self.val is not None
+        scores = score_validation(self.aha, self.val, device=self.aha.device, batch_size=self.batch_size,
+                                  rank=self.rank, world=self.world, num_workers=self.num_workers)  # fmt: skip
+        self.stopper.record(self.step, scores, self.aha.decoder)
+        self.postfix["val"] = f"{self.stopper.curve[-1]['composite']:.3f}"
+        self.bar.set_postfix(self.postfix)
+
+    def finish(self) -> None:
+        """Score the last step (unless just scored), put the best weights back, write the final checkpoint."""
+        stopper = self.stopper
+        if stopper is not None:
+            if stopper.last_step != self.step:
+                self.evaluate()
+            assert stopper.best_state is not None  # the first score is always the best so far
+            self.aha.decoder.load_state_dict(stopper.best_state)
+        if self.checkpoint_dir is not None:
+            self.save(restored=stopper is not None)
+
+    def save(self, restored: bool = False) -> None:
+        """Checkpoint the explainer with the trainer state it resumes from (see :func:`save_training_checkpoint`);
+        ``restored``: the decoder holds the best weights, not the last step's."""
+        if self.rank != 0 or self.checkpoint_dir is None:  # the ranks hold identical weights and states
+            return
+        state: dict[str, Any] = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                                 "rng": self.gen.get_state(), "step": self.step}  # fmt: skip
+        extra: dict[str, Any] = {}
+        best = None
+        if self.stopper is not None:
+            validation = self.stopper.state()
+            state.update(validation=validation, val_images=self.val_images, restored=restored)
+            # The metadata is for readers: the running loss sums only matter to a resumed run (the trainer state).
+            shown = {k: v for k, v in validation.items() if not k.startswith("loss_")}
+            extra = {"validation": {**shown, "val_images": self.val_images, "restored": restored}}
+            best = self.stopper.best_state
+        save_training_checkpoint(self.aha, self.checkpoint_dir, state, step=self.step, world=self.world,
+                                 lineage=self.lineage, best_state=best, extra_meta=extra)  # fmt: skip
 
 
 def _train_step(
@@ -259,36 +399,32 @@ def _init_distributed(device: torch.device) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _save_checkpoint(
-    aha: Trainee,
-    out: Path,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    gen: torch.Generator,
-    step: int,
-    rank: int,
-    world: int,
-    lineage: list[Path],
-) -> None:
-    """Checkpoint the explainer with the trainer state it resumes from (see :func:`save_training_checkpoint`)."""
-    if rank != 0:  # the ranks hold identical weights, optimizer state and generator state
-        return
-    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": gen.get_state(),
-             "step": step}  # fmt: skip
-    save_training_checkpoint(aha, out, state, step=step, world=world, lineage=lineage)
-
-
 def _load_trainer_state(
     aha: Trainee,
     src: Path,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     gen: torch.Generator,
+    stopper: EarlyStopping | None,
+    val_images: int | None,
 ) -> tuple[int, Path]:
-    """Load the newest complete checkpoint under ``src``; returns the step it ends at and its directory."""
+    """Load the newest complete checkpoint under ``src``; returns the step it ends at and its directory.
+
+    A checkpoint of a run with a validation set continues its curve, best weights and patience count in
+    ``stopper``; one without starts the curve at its step.
+    """
     d, decoder_state, state, errors = latest_training_checkpoint(aha, src)
     if errors:
         warnings.warn(f"resuming from {d}: newer checkpoint(s) unusable: {'; '.join(errors)}", stacklevel=3)
+    if "validation" in state:
+        if stopper is None:
+            raise ValueError(f"{d} is a run with a validation set (fit(val=...), --val-fraction); resume it with one")
+        if int(state["val_images"]) != val_images:
+            raise ValueError(
+                f"{d} was validated on {state['val_images']} images, this val has {val_images}: resume with the same "
+                "validation set"
+            )
+        stopper.load(state["validation"], state.get("best_decoder"))
     aha.decoder.load_state_dict(decoder_state)
     aha.steps_trained = int(state["step"])
     optimizer.load_state_dict(state["optimizer"])

@@ -60,14 +60,24 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
         "(explainer.safetensors, config.json, trainer.safetensors). Checkpoints are written every "
         "--checkpoint-every steps; --resume continues an interrupted run exactly where it stopped. Under "
         "'torchrun --nproc_per_node=N -m attr_engine train-aha ...' the decoder trains with DDP (--batch-size "
-        "is per process). AHAConfig fields can be set in the config file's 'aha:' section or with --aha-option.",
+        "is per process). AHAConfig fields can be set in the config file's 'aha:' section or with --aha-option. "
+        "--val-fraction holds out part of the data: training is scored on it every --val-every steps, stops after "
+        "--patience scores without improvement and keeps the best decoder (OUT/val_curve.png, OUT/train.json).",
     )
     add_classifier_args(ta)
     _add_data_args(ta, default_images=2000)
     ta.add_argument("--out", required=True, help="AHA checkpoint directory")
-    ta.add_argument("--epochs", type=int, default=1)
+    ta.add_argument("--epochs", type=int, default=None, help="passes over the data (default 1; with --val-fraction "
+                    "the cap, default 10)")  # fmt: skip
     ta.add_argument("--batch-size", type=int, default=32, help="images per step and process")
     ta.add_argument("--max-steps", type=int, help="stop after this many optimiser steps")
+    ta.add_argument("--val-fraction", type=float, default=None, metavar="F",
+                    help="hold out this fraction of the data (a split by --seed and file name) for validation and "
+                    "early stopping")  # fmt: skip
+    ta.add_argument("--val-every", type=int, default=None, help="steps between validation scores (AHAConfig."
+                    "val_every, default 50)")  # fmt: skip
+    ta.add_argument("--patience", type=int, default=None, help="validation scores without improvement before "
+                    "training stops (AHAConfig.patience, default 5)")  # fmt: skip
     ta.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     ta.add_argument("--resume", action="store_true", help="continue from the checkpoint in OUT")
     ta.add_argument("--overwrite", action="store_true", help="start over even if OUT holds a checkpoint")
@@ -237,8 +247,8 @@ def aha_config_from_args(args: argparse.Namespace) -> Any:
 
     fields: dict[str, Any] = dict(getattr(args, "aha_section", None) or {})
     fields.update(parse_key_values(args.aha_option, "--aha-option"))
-    for flag in ("seed", "lr", "n_fractions", "targets"):
-        if getattr(args, flag) is not None:
+    for flag in ("seed", "lr", "n_fractions", "targets", "val_every", "patience"):
+        if getattr(args, flag, None) is not None:
             fields[flag] = getattr(args, flag)
     try:
         return AHAConfig.from_dict(fields)  # JSON / YAML lists become tuples there
@@ -251,8 +261,10 @@ def run_train_aha(args: argparse.Namespace) -> int:
     from attr_engine.aha.persistence import CHECKPOINTS_DIR, CONFIG_FILE, has_checkpoint
     from attr_engine.distributed import process_rank
 
-    for flag in ("epochs", "batch_size", "max_steps", "checkpoint_every", "num_images"):
+    for flag in ("epochs", "batch_size", "max_steps", "checkpoint_every", "num_images", "val_every", "patience"):
         _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    if args.val_fraction is not None and not 0 < args.val_fraction < 1:  # NaN too: checked before any loading
+        raise UsageError(f"--val-fraction: the validation fraction must be in (0, 1), got {args.val_fraction}")
     rank, world = process_rank()
     device = resolve_device(args.device)
     config = aha_config_from_args(args)
@@ -273,13 +285,14 @@ def run_train_aha(args: argparse.Namespace) -> int:
         raise UsageError(
             f"the data has {len(data.class_names)} classes but the classifier only {classifier.num_classes}"
         )
-    if len(data) // world < args.batch_size:
-        raise UsageError(f"--batch-size {args.batch_size} is more than the {len(data) // world} images per process")
+    train, val = split_validation(data, args.val_fraction, seed=config.seed)
+    if len(train) // world < args.batch_size:
+        raise UsageError(f"--batch-size {args.batch_size} is more than the {len(train) // world} images per process")
     aha = AHA(classifier, config, img_size=img_size)
     work_started()
     start = time.perf_counter()
     history = aha.fit(
-        data,
+        train,
         epochs=args.epochs,
         batch_size=args.batch_size,
         max_steps=args.max_steps,
@@ -288,18 +301,72 @@ def run_train_aha(args: argparse.Namespace) -> int:
         resume=resume,
         num_workers=args.workers,
         progress=not args.no_progress,
+        val=val,
     )
     if rank == 0:
-        steps = len(history["loss"])
-        tail = max(1, min(10, steps))
-        trend = ""
-        if steps:
-            dele = sum(history["deletion"][-tail:]) / tail
-            ins = sum(history["insertion"][-tail:]) / tail
-            trend = f"; last steps: soft deletion {dele:.3f}, soft insertion {ins:.3f}"
-        world_note = f" on {world} processes" if world > 1 else ""
-        print(
-            f"AHA: {steps} step(s) this run, {aha.steps_trained} in total{world_note}, "
-            f"{time.perf_counter() - start:.0f} s{trend}; checkpoint in {out}"
-        )
+        _report_aha(args, aha, history, out, seconds=time.perf_counter() - start, world=world, val=val)
     return 0
+
+
+def split_validation(data: Any, fraction: float | None, *, seed: int) -> tuple[Any, Any]:
+    """``(training part, validation part)`` of ``data`` for ``--val-fraction`` (``(data, None)`` without it): a
+    seeded split of the items' sorted names (:func:`attr_engine.data.split.holdout_split`)."""
+    if fraction is None:
+        return data, None
+    from torch.utils.data import Subset
+
+    from attr_engine.data.split import holdout_split
+
+    try:
+        kept, held_out = holdout_split(data, fraction, seed=seed)
+    except ValueError as err:
+        raise UsageError(f"--val-fraction: {err}") from None
+    return Subset(data, kept), Subset(data, held_out)
+
+
+def _report_aha(
+    args: argparse.Namespace, aha: Any, history: dict[str, list[float]], out: Path, *, seconds: float, world: int,
+    val: Any,
+) -> None:  # fmt: skip
+    """Print the run's summary line and write ``OUT/train.json`` (and ``OUT/val_curve.png`` with validation)."""
+    from attr_engine.aha.persistence import CONFIG_FILE
+    from attr_engine.checkpoint import load_json, save_json
+
+    steps = len(history["loss"])
+    tail = max(1, min(10, steps))
+    trend = ""
+    if steps:
+        dele = sum(history["deletion"][-tail:]) / tail
+        ins = sum(history["insertion"][-tail:]) / tail
+        trend = f"; last steps: soft deletion {dele:.3f}, soft insertion {ins:.3f}"
+    world_note = f" on {world} processes" if world > 1 else ""
+    print(
+        f"AHA: {steps} step(s) this run, {aha.steps_trained} in total{world_note}, "
+        f"{seconds:.0f} s{trend}; checkpoint in {out}"
+    )
+    summary: dict[str, Any] = {"steps_this_run": steps, "steps_trained": aha.steps_trained, "world": world,
+                               "seconds": round(seconds, 2), "data": args.data, "seed": aha.config.seed}  # fmt: skip
+    if val is not None:
+        # The checkpoint's own record of the curve: the whole run's, a resumed one's earlier scores included.
+        validation = load_json(out / CONFIG_FILE)["validation"]
+        summary.update(val_fraction=args.val_fraction, val_images=len(val), validation=validation)
+        _print_validation(validation, out)
+    save_json(summary, out / "train.json")
+
+
+def _print_validation(validation: dict[str, Any], out: Path) -> None:
+    from attr_engine.visualize import plot_validation_curve
+
+    curve, best = validation["curve"], validation["best_step"]
+    end = "stopped early" if validation["stopped"] else "step budget spent"
+    title = f"AHA validation (hard composite): {end} at step {curve[-1]['step']}"
+    picture = plot_validation_curve(curve, out / "val_curve.png", best_step=best, title=title)
+    stop = (
+        f"stopped early after {validation['bad_scores']} score(s) without improvement"
+        if validation["stopped"]
+        else "ran to its step budget"
+    )
+    print(
+        f"validation: best composite {validation['best_composite']:.3f} at step {best} of {curve[-1]['step']} "
+        f"({len(curve)} scores, {stop}; decoder of step {best} kept); curve in {picture}"
+    )
