@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from attr_engine.aha import AHA, AHAConfig
+from attr_engine.classifier import load_classifier, save_classifier
 from attr_engine.classifier_training import evaluate_accuracy, small_model_config, train_classifier
 from attr_engine.data.photos import PhotoCropsDataset
 from attr_engine.data.shapes import ShapesDataset
@@ -97,16 +98,39 @@ def datasets(data: str, budget: Budget, img: int, seed: int) -> tuple:
     )
 
 
-def train(kind: str, budget: Budget, seed: int, log, data: str = "shapes", img: int = IMG) -> tuple:
+def train(
+    kind: str, budget: Budget, seed: int, log, data: str = "shapes", img: int = IMG, cache: Path | None = None
+) -> tuple:
+    """The trained classifier and AHA explainer of one board, with its test set and the classifier's accuracy.
+
+    With ``cache``, both are saved there after training (safetensors) and loaded instead of trained when a run with
+    the same data, kind, size, seed and budget left them: an ``--only`` run then scores its rows on the very same
+    classifier and explainer as the board it adds to.
+    """
     train_set, test_set = datasets(data, budget, img, seed)
+    config = small_model_config(kind, img)
+    key = f"{data}_{kind}_{img}px_seed{seed}_{budget.n_train}x{budget.epochs}_aha{budget.aha_steps}"
+    folder = None if cache is None else cache / key
     start = time.perf_counter()
-    classifier = train_classifier(small_model_config(kind, img), train_set, epochs=budget.epochs, seed=seed)
+    if folder is not None and (folder / "aha").is_dir():
+        classifier = load_classifier(
+            config.name, img_size=config.img_size, checkpoint=folder / "classifier.safetensors", **config.kwargs
+        )
+        aha = AHA.load(folder / "aha", classifier)
+        acc = evaluate_accuracy(classifier, test_set)
+        log(f"[{kind}] classifier ({acc:.1%} held-out accuracy) and AHA loaded from {folder}")
+        return classifier, aha, test_set, acc
+    classifier = train_classifier(config, train_set, epochs=budget.epochs, seed=seed)
     acc = evaluate_accuracy(classifier, test_set)
     log(f"[{kind}] classifier: {acc:.1%} held-out accuracy ({time.perf_counter() - start:.0f} s)")
     start = time.perf_counter()
     aha = AHA(classifier, AHAConfig(n_fractions=8, targets="pred", seed=seed))
     aha.fit(train_set, batch_size=8, epochs=100, max_steps=budget.aha_steps, progress=False)
     log(f"[{kind}] AHA: {budget.aha_steps} steps ({time.perf_counter() - start:.0f} s)")
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        save_classifier(classifier, folder / "classifier.safetensors")
+        aha.save(folder / "aha")  # last: its folder marks a complete cache entry
     return classifier, aha, test_set, acc
 
 
@@ -240,6 +264,7 @@ def run(
     data: str = "shapes",
     img: int = IMG,
     only: tuple[str, ...] | None = None,
+    cache: Path | None = None,
 ) -> dict[str, Leaderboard]:
     photos = data == "photos"
     budget = (PHOTOS_QUICK if quick else PHOTOS_FULL) if photos else (QUICK if quick else FULL)
@@ -247,7 +272,7 @@ def run(
     notes: list[str] = []
     for kind in kinds:
         torch.manual_seed(seed)
-        classifier, aha, test_set, acc = train(kind, budget, seed, print, data, img)
+        classifier, aha, test_set, acc = train(kind, budget, seed, print, data, img, cache)
         start = time.perf_counter()
         metrics: dict[str, dict] = {name: {} for name in (PHOTO_METRICS if photos else METRIC_NAMES)}
         if not photos:
@@ -298,6 +323,9 @@ def main() -> None:
         help="comma-separated baselines to score beside AHA (e.g. legrad,mda,integrated-gradients): a run that "
         "adds rows to a board, reproducing its classifier and AHA from the same seed",
     )
+    parser.add_argument(
+        "--cache", type=Path, default=None, help="keep the trained classifiers and AHA explainers here, and reuse them"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
@@ -306,7 +334,16 @@ def main() -> None:
     kinds = ["vit", "resnet"] if args.kind == "both" else [args.kind]
     start = time.perf_counter()
     only = tuple(name.strip() for name in args.only.split(",")) if args.only else None
-    run(kinds, quick=args.quick, out=args.out, seed=args.seed, data=args.data, img=args.img_size, only=only)
+    run(
+        kinds,
+        quick=args.quick,
+        out=args.out,
+        seed=args.seed,
+        data=args.data,
+        img=args.img_size,
+        only=only,
+        cache=args.cache,
+    )
     print(f"total {time.perf_counter() - start:.0f} s")
 
 
