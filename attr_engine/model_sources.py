@@ -234,9 +234,10 @@ class HFImageClassifier(nn.Module):
 
     def hidden_states(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x: (B, 3, H, W) -> the model's hidden states: the embeddings, then one per layer or stage, each
-        (B, N, D) tokens (transformers) or (B, C, h, w) maps (CNNs)."""
+        (B, N, D) tokens (transformers) or (B, C, h, w) maps (CNNs, and hierarchical transformers such as Swin,
+        whose ``reshaped_hidden_states`` are taken: their stages' tokens lie on grids coarser than the patches)."""
         out = self._call(x, output_hidden_states=True)
-        states = getattr(out, "hidden_states", None)
+        states = getattr(out, "reshaped_hidden_states", None) or getattr(out, "hidden_states", None)
         if not states:
             raise ValueError(f"{type(self.hf).__name__} returns no hidden_states")
         return tuple(states)

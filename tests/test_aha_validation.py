@@ -168,6 +168,17 @@ def test_early_stopping_counts_only_gains_above_min_delta():
     assert stopper.best_step == 9 and stopper.best_composite == pytest.approx(0.35)
 
 
+def test_a_first_score_of_nan_does_not_block_every_later_improvement():
+    # NaN - min_delta > x is False for every x: a NaN taken as the best so far would make every later score "no
+    # improvement", stop the run after patience scores and restore the step-0 decoder.
+    stopper = EarlyStopping(patience=2, min_delta=0.001)
+    decoder = torch.nn.Linear(1, 1)
+    assert not stopper.record(0, {"deletion": math.nan, "insertion": 0.5}, decoder)
+    assert stopper.best_state is not None  # the run still has weights to end with
+    assert stopper.record(3, {"deletion": 0.2, "insertion": 0.6}, decoder)
+    assert stopper.best_step == 3 and stopper.best_composite == pytest.approx(0.4) and not stopper.stopped
+
+
 def test_the_holdout_split_depends_on_names_and_seed_not_on_listing_order():
     class Listed:
         def __init__(self, names: list[str]) -> None:

@@ -139,3 +139,37 @@ def test_hf_through_the_job_layer(tmp_path: Path) -> None:
         clf = build_classifier(AttributionJob(method="saliency", model=f"hf:{root}"))
     assert isinstance(clf, Classifier) and isinstance(clf.model, HFImageClassifier)
     assert clf(torch.rand(1, 3, 32, 32)).shape == (1, 5)
+
+
+def test_aha_taps_a_torchvision_swin_channels_first() -> None:
+    # torchvision's Swin stages put out (B, h, w, C); read as (B, C, h, w) the "channels" would be the rows.
+    from attr_engine.aha.network import FeatureBackbone
+
+    torch.manual_seed(0)
+    swin = torchvision.models.SwinTransformer(
+        patch_size=[4, 4], embed_dim=12, depths=[1, 1], num_heads=[1, 2], window_size=[2, 2], num_classes=3
+    ).eval()
+    backbone = FeatureBackbone(swin, torch.zeros(3), torch.ones(3), img_size=32)
+    x = torch.rand(2, 3, 32, 32)
+    feats = backbone(x)
+    assert [tuple(f.shape) for f in feats] == [(2, 12, 8, 8), (2, 24, 4, 4)]
+    assert backbone.channels((32, 32)) == [12, 24]
+    # The last level is what the model itself pools: its own norm and permute of the last stage, as channels-first.
+    with torch.no_grad():
+        last = swin.features(x)
+    torch.testing.assert_close(feats[-1], last.permute(0, 3, 1, 2))
+
+
+def test_aha_taps_a_hierarchical_hf_transformer_on_its_own_grids() -> None:
+    # Swin's stages hold 8 x 8, 4 x 4, ... tokens, not the patch grid's: its reshaped_hidden_states are the maps.
+    from transformers import SwinConfig, SwinForImageClassification
+
+    from attr_engine.aha.network import FeatureBackbone
+
+    torch.manual_seed(0)
+    config = SwinConfig(image_size=32, patch_size=4, embed_dim=12, depths=[1, 1], num_heads=[1, 2], window_size=2,
+                        num_labels=3)  # fmt: skip
+    model = HFImageClassifier(SwinForImageClassification(config).eval())
+    backbone = FeatureBackbone(model, torch.zeros(3), torch.ones(3), img_size=32)
+    feats = backbone(torch.rand(2, 3, 32, 32))
+    assert [tuple(f.shape) for f in feats] == [(2, 24, 4, 4), (2, 24, 4, 4)]

@@ -103,7 +103,7 @@ class FeatureBackbone(nn.Module):
     def _levels(self, z: torch.Tensor, indices: list[int]) -> list[torch.Tensor]:
         """The raw levels ``indices`` of a torchvision or transformers model for normalised ``z``."""
         if self.source == "torchvision":
-            return _stage_outputs(self.model, [self._nodes[i] for i in indices], z)
+            return _torchvision_levels(self.model, [self._nodes[i] for i in indices], z)
         states = self.model.hidden_states(z)[1:]  # type: ignore[operator]  # HFImageClassifier's method
         if any(not -len(states) <= i < len(states) for i in indices):
             raise ValueError(f"layers {indices} are not levels of {type(self.model).__name__} (it has {len(states)})")
@@ -115,7 +115,7 @@ class FeatureBackbone(nn.Module):
         probe = torch.zeros(1, 3, side, side, device=param.device, dtype=param.dtype)
         with torch.no_grad():
             if self.source == "torchvision":
-                levels = _stage_outputs(self.model, self._nodes, probe)
+                levels = _torchvision_levels(self.model, self._nodes, probe)
             else:
                 levels = list(self.model.hidden_states(probe)[1:])  # type: ignore[operator]
         if levels and all(f.ndim == 3 for f in levels):
@@ -184,6 +184,21 @@ def _stage_outputs(model: nn.Module, names: list[str], z: torch.Tensor) -> list[
     if missing:
         raise RuntimeError(f"{type(model).__name__}: the levels {missing} did not run in the forward pass")
     return [captured[n] for n in names]
+
+
+def _channels_last(model: nn.Module) -> bool:
+    """Whether ``model`` is a torchvision Swin Transformer, whose ``features`` stages put out (B, h, w, C): it
+    permutes to channels-first only after its last stage."""
+    cls = type(model)
+    return cls.__name__ == "SwinTransformer" and cls.__module__.startswith("torchvision.")
+
+
+def _torchvision_levels(model: nn.Module, names: list[str], z: torch.Tensor) -> list[torch.Tensor]:
+    """The outputs of the stages ``names`` of a torchvision classifier for ``z``, 4-D ones as (B, C, h, w)."""
+    levels = _stage_outputs(model, names, z)
+    if _channels_last(model):
+        levels = [f.permute(0, 3, 1, 2) if f.ndim == 4 else f for f in levels]
+    return levels
 
 
 def _as_map(level: torch.Tensor, model: nn.Module, size: Sequence[int]) -> torch.Tensor:

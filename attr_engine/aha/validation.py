@@ -184,11 +184,14 @@ class EarlyStopping:
         self.curve.append({"step": step, "composite": composite, "deletion": float(scores["deletion"]),
                            "insertion": float(scores["insertion"]), "loss": loss})  # fmt: skip
         self.loss_sum, self.loss_steps = 0.0, 0
-        # The first score is the best by definition; a NaN never improves (every comparison with it is False).
-        if self.best_step is None or composite - self.min_delta > self.best_composite:
-            self.best_step, self.best_composite, self.bad_scores = step, composite, 0
+        # A NaN never improves (every comparison with it is False) and is never the best to beat: a first score
+        # that is NaN keeps its weights (the run must end with some) at a best of -inf, so any real score beats it.
+        improved = composite - self.min_delta > self.best_composite
+        if improved or self.best_step is None:
+            self.best_step, self.best_composite = step, composite if improved else -math.inf
+            self.bad_scores = 0 if improved else 1
             self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in decoder.state_dict().items()}
-            return True
+            return improved
         self.bad_scores += 1
         return False
 
