@@ -244,3 +244,34 @@ def test_train_aha_val_fraction_end_to_end(tmp_path, capsys):
         bad = [a if a != "0.2" else fraction for a in args]
         assert main([*bad, "--overwrite"]) == 2
         assert "--val-fraction: " in (err := capsys.readouterr().err) and message in err, err
+
+
+def test_a_diverged_decoder_scores_nan_instead_of_aborting_fit():
+    aha = AHA(colour_classifier(), AHAConfig(**FAST))
+    with torch.no_grad():
+        for p in aha.decoder.parameters():
+            p.fill_(float("nan"))
+    scores = score_validation(aha, colour_images(3, seed=1)[0], device=CPU, batch_size=2)
+    assert math.isnan(scores["deletion"]) and math.isnan(scores["insertion"]) and scores["images"] == 3
+    stop, decoder = EarlyStopping(patience=1, min_delta=0.0), torch.nn.Linear(1, 1)
+    assert stop.record(0, {"deletion": 0.2, "insertion": 0.5}, decoder) and not stop.record(1, scores, decoder)
+    assert stop.best_step == 0 and stop.best_composite == pytest.approx(0.3) and stop.stopped
+
+
+@pytest.mark.parametrize(
+    "images, message",
+    [
+        (torch.rand(2, 3, 16, 16) * 3, r"must be RGB in \[0, 1\]"),
+        (torch.full((2, 3, 16, 16), float("nan")), "NaN or infinite"),
+    ],
+)
+def test_validation_images_out_of_range_or_not_finite_are_refused_in_one_line(images, message):
+    aha = AHA(colour_classifier(), AHAConfig(**FAST))
+    with pytest.raises(ValueError, match=message):
+        score_validation(aha, images, device=CPU, batch_size=2)
+
+
+def test_validation_images_a_fixed_size_vit_refuses_are_one_line_naming_their_size(timm_vit):
+    aha = AHA(timm_vit, AHAConfig(decoder_dim=8, class_dim=4), img_size=32)
+    with pytest.raises(ValueError, match="refused validation images of size 48 x 48"):
+        score_validation(aha, torch.rand(2, 3, 48, 48), device=CPU, batch_size=2)

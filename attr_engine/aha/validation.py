@@ -97,6 +97,27 @@ def _val_batches(val: ValData, batch_size: int, rank: int, world: int, num_worke
         yield x
 
 
+def _checked_images(x: torch.Tensor) -> torch.Tensor:
+    """``x: (B, 3, H, W)`` validation images, refused in one line when non-finite or far outside [0, 1]."""
+    if not torch.isfinite(x).all():
+        raise ValueError("val images contain NaN or infinite values")
+    low, high = float(x.min()), float(x.max())
+    if low < -0.1 or high > 1.1:  # the explainer's tolerance for float images (ImageRangeWarning)
+        raise ValueError(f"val images must be RGB in [0, 1], got values in [{low:.3g}, {high:.3g}]")
+    return x
+
+
+def _predicted(classifier: Classifier, x: torch.Tensor) -> torch.Tensor:
+    """The predicted class of ``x: (B, 3, H, W)``; a size the model refuses (a fixed-size ViT's assert) is one
+    ValueError naming the validation images' size."""
+    try:
+        return classifier(x).argmax(1)
+    except (AssertionError, RuntimeError) as err:
+        raise ValueError(
+            f"the classifier refused validation images of size {x.shape[-2]} x {x.shape[-1]}: {err}"
+        ) from err
+
+
 def score_validation(
     aha: Scored,
     val: ValData,
@@ -120,10 +141,15 @@ def score_validation(
     sums = torch.zeros(3, dtype=torch.float64)
     try:
         for x in _val_batches(val, batch_size, rank, world, num_workers):
-            x = x.to(device).float()
+            x = _checked_images(x.to(device).float())
             with torch.no_grad():
-                target = aha.classifier(x).argmax(1)
+                target = _predicted(aha.classifier, x)
                 maps = aha.decoder(aha.backbone(x), x, target)
+            if not torch.isfinite(maps).all():
+                # A diverged decoder scores NaN (never an improvement: the run stops and restores its best
+                # weights) instead of aborting fit with the metric's error.
+                sums += torch.tensor((math.nan, math.nan, len(x)), dtype=torch.float64)
+                continue
             di = deletion_insertion(
                 aha.classifier, x, maps, target, steps=aha.config.val_fractions, reference="mean", protocol="aha"
             )
