@@ -22,6 +22,10 @@ ENTRIES = (
     "z-scored region scores",
     "sub-cell grid offset",
     "Max-pool padding",
+    "regular cell grid instead of SLIC",
+    "prior map is any registered method",
+    "convex fit solved exactly",
+    "Ties in the MAS pixel ranking",
 )
 
 
