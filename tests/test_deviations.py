@@ -25,6 +25,10 @@ ENTRIES = (
     "model's own head",  # LeGrad (issue #23)
     "A constant map is zero",
     "attentional pooler",
+    "regular cell grid instead of SLIC",
+    "prior map is any registered method",
+    "convex fit solved exactly",
+    "Ties in the MAS pixel ranking",
 )
 
 

@@ -9,6 +9,7 @@
 | smoothgrad, occlusion | noise / perturbation baselines | Captum |
 | grad-cam | Grad-CAM: timm / torchvision CNN stages through Captum, timm ViT tokens here | Captum / here |
 | rise | RISE, masks on the device | here |
+| mda | MDA (Walker et al. 2025): a per-image greedy search driven by the perturbation curves | here |
 | attention-rollout | attention rollout (ViTs) | here |
 | legrad | LeGrad (Bousselham et al., ICCV 2025): gradients w.r.t. attention maps (timm ViTs) | here |
 | deeplift, guided-grad-cam | DeepLift (Shrikumar et al. 2017); Guided Grad-CAM on the last CNN stage | Captum |
@@ -35,11 +36,13 @@ from attr_engine.baselines.gradients import (
     SmoothGrad,
 )
 from attr_engine.baselines.legrad import LeGrad, legrad_applies
+from attr_engine.baselines.mda import MDA
 from attr_engine.baselines.rise import RISE, rise_masks
 from attr_engine.baselines.rollout import AttentionRollout
 from attr_engine.explainer import register_explainer, register_explainer_family
 
 __all__ = [
+    "MDA",
     "RISE",
     "AttentionRollout",
     "CaptumMethod",
@@ -78,6 +81,7 @@ register_explainer(
     applies=_grad_cam_applies,
 )
 register_explainer("rise", RISE, description="RISE random masks")
+register_explainer("mda", MDA, description="MDA metric-driven attribution, a per-image search (slow)")
 register_explainer("attention-rollout", AttentionRollout, description="attention rollout, timm ViTs", applies=is_vit)
 register_explainer(
     "legrad", LeGrad, description="LeGrad, gradients w.r.t. attention maps, timm ViTs", applies=legrad_applies
