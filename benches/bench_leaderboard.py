@@ -217,9 +217,9 @@ def targets(boards: dict[str, Leaderboard]) -> list[str]:
             f"{others[runner]:.3f}; deletion {t3_del:.3f} against the best {best_del:.3f})"
         )
         for metric in ("energy_pointing_game", "mask_iou"):
-            col = board.column(metric)
-            if not col:  # a board without masks
+            if metric not in board.columns:  # a board without masks
                 continue
+            col = board.column(metric)
             aha = max((m for m in col if m.startswith("AHA")), key=col.get)
             other = max((m for m in col if not m.startswith("AHA")), key=col.get)
             lines.append(
@@ -238,9 +238,11 @@ def targets(boards: dict[str, Leaderboard]) -> list[str]:
                 f"- {kind}: AHA best {metric}: **{status}** ({best_aha} {aha[best_aha]:.3f}; best other: "
                 f"{runner} {others[runner]:.3f})"
             )
+        if "infidelity" not in board.columns or "random_logit" not in board.columns:
+            continue  # the photo board has the perturbation metrics only
         inf, rl = board.column("infidelity"), board.column("random_logit")
         if not {"PA", "gradient"} <= inf.keys() or not {"SfP", "gradient"} <= rl.keys():
-            continue  # the photo board has the perturbation metrics only; an --only run may lack the rows
+            continue  # an --only run may lack the rows
         ratio = inf["PA"] / inf["gradient"] if inf["gradient"] > 0 else float("inf")
         lines.append(
             f"- {kind}: PA infidelity <= 1/3 of gradient's: **{'reached' if ratio <= 1 / 3 else 'missed'}** "
