@@ -33,6 +33,7 @@ from attr_engine._training import collate_images_labels
 from attr_engine.aha.config import AHAConfig
 from attr_engine.aha.network import Decoder, FeatureBackbone
 from attr_engine.classifier import Classifier
+from attr_engine.explainer import RANGE_WARNING_ABOVE
 from attr_engine.metrics import deletion_insertion
 
 __all__ = ["VAL_KEYS", "EarlyStopping", "ValData", "check_val_data", "score_validation"]
@@ -101,8 +102,9 @@ def _checked_images(x: torch.Tensor) -> torch.Tensor:
     """``x: (B, 3, H, W)`` validation images, refused in one line when non-finite or far outside [0, 1]."""
     if not torch.isfinite(x).all():
         raise ValueError("val images contain NaN or infinite values")
-    low, high = float(x.min()), float(x.max())
-    if low < -0.1 or high > 1.1:  # the explainer's tolerance for float images (ImageRangeWarning)
+    low, high = (float(v) for v in torch.aminmax(x))  # one pass over the batch, not two
+    # Above: the explainer's tolerance for float images (ImageRangeWarning); below: the same margin.
+    if low < -0.1 or high > RANGE_WARNING_ABOVE:
         raise ValueError(f"val images must be RGB in [0, 1], got values in [{low:.3g}, {high:.3g}]")
     return x
 
