@@ -3,6 +3,7 @@ exact restore of the model and of torch.nn.functional afterwards."""
 
 import threading
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -74,6 +75,14 @@ TIMM_CASES = {
     "deit_tiny_patch16_224": (dict(img_size=32, patch_size=8, depth=2), 32, {"gelu", "layernorm", "attention"}),
     "pvt_v2_b0": (dict(depths=(1, 1, 1, 1)), 64, {"gelu", "layernorm", "attention"}),
 }
+
+
+def _reference_grad(
+    reference: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, g: torch.Tensor
+) -> torch.Tensor:
+    """d<g, reference(x)>/dx: the input gradient a float64 reference function gives for the same output gradient."""
+    x_ref = x.clone().requires_grad_(True)
+    return torch.autograd.grad(reference(x_ref), x_ref, g)[0]
 
 
 @pytest.mark.parametrize("name", list(TIMM_CASES))
@@ -236,8 +245,7 @@ def test_attention_backward_skips_the_softmax(arch: str, fused: bool) -> None:
     attn.fused_attn = fused
     x = torch.randn(2, 6, 12, dtype=F64) * 2
     g, dx_plain, dx_soft = soft_vs_plain(model, x)
-    x_ref = x.clone().requires_grad_(True)
-    (dx_ref,) = torch.autograd.grad(reference(attn, x_ref), x_ref, g)
+    dx_ref = _reference_grad(lambda t: reference(attn, t), x, g)
     torch.testing.assert_close(dx_soft, dx_ref, **TOL)
     assert not torch.allclose(dx_soft, dx_plain)
     _, dx_plain, dx_off = soft_vs_plain(model, x, attention=False)  # (a new random g)
@@ -538,9 +546,8 @@ def test_torchvision_layernorm2d_holds_statistics_constant() -> None:
     ln.requires_grad_(False)
     x = torch.randn(2, 6, 3, 4, dtype=F64) * 3 + 1
     g, dx_plain, dx_soft = soft_vs_plain(ln, x)
-    x_ref = x.clone().requires_grad_(True)
-    y_ref = _layer_norm_reference(x_ref, (1,), ln.weight.view(-1, 1, 1), ln.bias.view(-1, 1, 1), ln.eps)
-    (dx_ref,) = torch.autograd.grad(y_ref, x_ref, g)
+    w, b = ln.weight.view(-1, 1, 1), ln.bias.view(-1, 1, 1)
+    dx_ref = _reference_grad(lambda t: _layer_norm_reference(t, (1,), w, b, ln.eps), x, g)
     torch.testing.assert_close(dx_soft, dx_ref, **TOL)
     assert not torch.allclose(dx_soft, dx_plain)
 
@@ -585,8 +592,7 @@ def test_multihead_attention_backward_skips_the_softmax(need_weights: bool) -> N
     model.forward = lambda t: mha(t, t, t, need_weights=need_weights)[0]
     x = torch.randn(2, 6, 12, dtype=F64) * 2
     g, dx_plain, dx_soft = soft_vs_plain(model, x)
-    x_ref = x.clone().requires_grad_(True)
-    (dx_ref,) = torch.autograd.grad(_mha_reference(mha, x_ref), x_ref, g)
+    dx_ref = _reference_grad(lambda t: _mha_reference(mha, t), x, g)
     torch.testing.assert_close(dx_soft, dx_ref, **TOL)
     assert not torch.allclose(dx_soft, dx_plain)
 
@@ -609,10 +615,9 @@ def test_hf_attention_backward_skips_the_softmax(implementation: str) -> None:
     model.forward = lambda t: attn(t)[0]
     x = torch.randn(2, 17, 32, dtype=F64)
     g, dx_plain, dx_soft = soft_vs_plain(model, x)
-    x_ref = x.clone().requires_grad_(True)
     # transformers' eager attention takes its softmax in float32 (then casts back); SDPA stays in float64.
     softmax_dtype = torch.float32 if implementation == "eager" else F64
-    (dx_ref,) = torch.autograd.grad(_hf_attention_reference(attn, x_ref, softmax_dtype), x_ref, g)
+    dx_ref = _reference_grad(lambda t: _hf_attention_reference(attn, t, softmax_dtype), x, g)
     torch.testing.assert_close(dx_soft, dx_ref, **TOL)
     assert not torch.allclose(dx_soft, dx_plain)
     _, dx_plain, dx_off = soft_vs_plain(model, x, attention=False)
