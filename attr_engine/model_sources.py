@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from attr_engine._optional import optional_import
+
 __all__ = [
     "HF_PREFIX",
     "IMAGENET_MEAN",
@@ -178,13 +180,10 @@ def build_torchvision(
 
 def import_transformers() -> ModuleType:
     """``transformers``, or an ImportError saying how to install it (the ``hf`` extra)."""
-    try:
-        import transformers
-    except ImportError as err:
-        raise ImportError(
-            "hf: models need Hugging Face transformers: pip install 'attr-engine[hf]' (or pip install transformers)"
-        ) from err
-    return transformers
+    return optional_import(
+        "transformers",
+        "hf: models need Hugging Face transformers: pip install 'attr-engine[hf]' (or pip install transformers)",
+    )
 
 
 def is_hf_classifier(model: nn.Module) -> bool:

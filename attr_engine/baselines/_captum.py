@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from attr_engine._optional import optional_import
+
 __all__ = ["import_captum"]
 
 
 def import_captum() -> Any:
     """``captum.attr``, or a clear error: Captum is an evaluation extra, not a core dependency."""
-    try:
-        import captum.attr
-    except ImportError as err:  # pragma: no cover - exercised only without the extra installed
-        raise ImportError(
-            "this baseline runs through Captum, which is not installed; pip install 'attr-engine[eval]'"
-        ) from err
-    return captum.attr
+    return optional_import(
+        "captum.attr", "this baseline runs through Captum, which is not installed; pip install 'attr-engine[eval]'"
+    )

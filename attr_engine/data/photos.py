@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from attr_engine._optional import optional_import
 from kernels._validate import check_int_at_least
 
 __all__ = ["PHOTO_CLASSES", "PhotoCropsDataset", "write_photo_folder"]
@@ -82,13 +83,9 @@ GREY_P, JITTER = 0.2, 0.15
 
 def _skimage_data() -> ModuleType:
     """``skimage.data``, imported on first use (scikit-image is an optional dependency)."""
-    try:
-        import skimage.data
-    except ImportError as err:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            "the photo dataset needs scikit-image: pip install 'attr-engine[photos]' (or scikit-image)"
-        ) from err
-    return skimage.data
+    return optional_import(
+        "skimage.data", "the photo dataset needs scikit-image: pip install 'attr-engine[photos]' (or scikit-image)"
+    )
 
 
 @cache
