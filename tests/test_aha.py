@@ -87,6 +87,8 @@ def test_config_rejects_bad_values(field, value, message):
         ("warmup", True),
         ("tau_end", None),
         ("decoder_dim", True),
+        ("image_dim", 0),
+        ("image_dim", 2.0),
         ("n_iters", 2.0),
         ("seed", 1.5),
         ("amp", 1),
@@ -511,6 +513,19 @@ def test_save_load_round_trip_and_mismatch(tmp_path):
     (tmp_path / "explainer.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="not a valid safetensors file"):
         AHA.load(tmp_path, clf)
+
+
+def test_image_dim_sets_the_full_resolution_width_and_round_trips(tmp_path):
+    clf = colour_classifier()
+    aha = AHA(clf, AHAConfig(**FAST, image_dim=12))
+    assert aha.decoder.image_stem[0].out_channels == 12 and aha.decoder.out.in_channels == 12
+    # The default: half the fused width (FAST's decoder_dim 16 -> 8), as before the knob existed.
+    assert AHA(clf, AHAConfig(**FAST)).decoder.image_stem[0].out_channels == 8
+    aha.save(tmp_path)
+    loaded = AHA.load(tmp_path, clf)
+    assert loaded.config.image_dim == 12
+    x, _ = colour_images(2)
+    torch.testing.assert_close(loaded.attribute(x), aha.attribute(x), atol=0, rtol=0)
 
 
 def test_a_checkpoint_from_before_score_norm_and_mask_sigma_loads_with_what_it_was_trained_on(tmp_path):

@@ -61,6 +61,8 @@ class AHAConfig:
             4/11/17/23 of 24, i.e. evenly spaced), every stage for CNNs (project).
         decoder_dim: channels of the fused decoder; class_dim: size of the learned class embedding joined to every
             feature position. Project (CPU-sized; the official decoder is a DPT at ViT-L width).
+        image_dim: channels of the full-resolution image encoding and of the head that joins it to the fused
+            features; ``None`` = ``max(8, decoder_dim // 2)``. Project.
 
     Loss (methods.md section 1):
         grid_range: inclusive (min, max) grid size drawn per step; ``None`` = :func:`grid_rule` of the short side:
@@ -130,6 +132,7 @@ class AHAConfig:
     layers: tuple[int, ...] | None = None
     decoder_dim: int = 64
     class_dim: int = 32
+    image_dim: int | None = None
 
     grid_range: tuple[int, int] | None = None
     random_offset: bool = True
@@ -177,6 +180,8 @@ class AHAConfig:
             put("layers", _int_tuple(self.layers, "layers"))
         check_int_at_least(self.decoder_dim, "decoder_dim", 1)
         check_int_at_least(self.class_dim, "class_dim", 1)
+        if self.image_dim is not None:
+            check_int_at_least(self.image_dim, "image_dim", 1)
         check_int_at_least(self.n_iters, "n_iters", 1)
         check_int_at_least(self.n_fractions, "n_fractions", 2)  # a curve needs two points
         check_int_at_least(self.refine_fractions, "refine_fractions", 2)

@@ -86,7 +86,9 @@ class AHA(nn.Module, Explainer):
         # Seeded initialisation: the same config gives the same untrained decoder (and so the same training run).
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.config.seed)
-            self.decoder = Decoder(channels, classifier.num_classes, self.config.decoder_dim, self.config.class_dim)
+            self.decoder = Decoder(
+                channels, classifier.num_classes, self.config.decoder_dim, self.config.class_dim, self.config.image_dim
+            )
         self.decoder.to(classifier.norm_mean.device)
         self.steps_trained = 0
         Explainer.__init__(self, classifier)

@@ -279,16 +279,24 @@ class Decoder(nn.Module):
         feature_channels: channels of each backbone level (any order of resolutions).
         num_classes: classes the embedding covers.
         dim: fused width; class_dim: class-embedding size.
+        image_dim: width of the full-resolution image encoding and of the head (``None``: ``max(8, dim // 2)``).
     """
 
-    def __init__(self, feature_channels: list[int], num_classes: int, dim: int = 64, class_dim: int = 32) -> None:
+    def __init__(
+        self,
+        feature_channels: list[int],
+        num_classes: int,
+        dim: int = 64,
+        class_dim: int = 32,
+        image_dim: int | None = None,
+    ) -> None:
         super().__init__()
         self.class_embed = nn.Embedding(num_classes, class_dim)
         nn.init.normal_(self.class_embed.weight, std=1.0)
         self.project = nn.ModuleList(nn.Conv2d(c + class_dim, dim, 1) for c in feature_channels)
         self.fuse = nn.ModuleList(_ConvUnit(dim) for _ in feature_channels)
         self.up = nn.Sequential(nn.Conv2d(dim, dim, 3, padding=1), nn.GELU())
-        half = max(8, dim // 2)
+        half = max(8, dim // 2) if image_dim is None else image_dim
         self.image_stem = nn.Sequential(
             nn.Conv2d(3, half, 3, padding=1), nn.GELU(), nn.Conv2d(half, half, 3, padding=1), nn.GELU()
         )

@@ -1,0 +1,182 @@
+"""Cost at the floor (issue #24): every method against the classifier passes it needs, side by side in one process.
+
+    python -u -m benches.bench_floor --threads 1                      # 32, 64 and 224 px, three models
+    python -u -m benches.bench_floor --threads 2 --sizes 32,64
+    python -u -m benches.bench_floor --threads 1 --sizes 32 --models vit --repeats 1   # a smoke run, seconds
+
+Models (untrained, 10 classes, built at each size): ``small_model_config("vit")`` (4 blocks, width 96, an 8 x 8
+patch grid at every size), timm ``resnet18`` and ``convnext_tiny``. Batch: 64 images at 32 px, scaled with the
+pixel count below that (16 at 64 px, 2 at 224 px). Times are the minimum over ``--repeats`` calls after one warm-up
+call, in ms per image; ratios are taken within one model and size, from the same run:
+
+- ``gradient``: one plain input-gradient pass (forward + backward), the floor of every gradient method;
+- ``SfP``: one soft-adjoint pass; ``SfP / gradient`` is its overhead over that floor;
+- ``PA K=5``: Pullback Ascent, five soft passes; ``IG-50``: Captum Integrated Gradients, 50 steps,
+  ``internal_batch_size=512`` (the issue's setting);
+- ``AHA T=0``: one backbone pass and the decoder, with the profile of its parts: the backbone, the class embedding,
+  each level's projection and fusion, the x2 upsampling convolutions, the full-resolution image stem, the head
+  (with the output projection), the rest (resizes, concatenations: the decoder's time not in those modules) and
+  the per-image standardisation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from attr_engine.aha import AHA, AHAConfig
+from attr_engine.aha.model import standardise_maps
+from attr_engine.classifier import Classifier, load_classifier
+from attr_engine.classifier_training import small_model_config
+from attr_engine.explainer import get_explainer
+
+MODELS = ("vit", "resnet18", "convnext_tiny")
+
+
+def build(model: str, size: int) -> Classifier:
+    """An untrained 10-class classifier of ``model`` at ``size`` px, seeded."""
+    torch.manual_seed(0)
+    if model == "vit":
+        config = small_model_config("vit", size)
+        return load_classifier(config.name, num_classes=10, img_size=size, **config.kwargs)
+    return load_classifier(model, num_classes=10, img_size=size)
+
+
+def best_ms(fn: Callable[[], object], images: int, repeats: int) -> float:
+    """Minimum wall time of ``repeats`` calls after one warm-up, in ms per image."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times) / images
+
+
+class Profile:
+    """Wall time per decoder part, by forward pre-hooks and hooks that exist only inside ``with``."""
+
+    def __init__(self, decoder: nn.Module) -> None:
+        self.decoder = decoder
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._handles: list = []
+
+    def parts(self) -> dict[str, nn.Module]:
+        d = self.decoder
+        out: dict[str, nn.Module] = {"class embedding": d.class_embed, "upsampling convs": d.up}
+        for i, (proj, fuse) in enumerate(zip(d.project, d.fuse, strict=True)):
+            out[f"level {i} project"] = proj
+            out[f"level {i} fuse"] = fuse
+        out["image stem"] = d.image_stem
+        out["head"] = d.head
+        out["head output"] = d.out
+        return out
+
+    def __enter__(self) -> Profile:
+        for name, module in self.parts().items():
+            started: list[float] = []
+            self._handles.append(module.register_forward_pre_hook(lambda *_, s=started: s.append(time.perf_counter())))
+            self._handles.append(
+                module.register_forward_hook(
+                    lambda *_, s=started, n=name: self.seconds.__setitem__(
+                        n, self.seconds[n] + time.perf_counter() - s.pop()
+                    )
+                )
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def aha_profile(aha: AHA, x: torch.Tensor, target: torch.Tensor, repeats: int) -> dict[str, float]:
+    """ms/image of each part of one AHA T=0 call (the fastest of ``repeats`` decoder calls)."""
+    best: dict[str, float] = {}
+    with torch.no_grad():
+        aha.backbone(x)
+        for _ in range(repeats):
+            row: dict[str, float] = {}
+            start = time.perf_counter()
+            feats = aha.backbone(x)
+            row["backbone"] = time.perf_counter() - start
+            with Profile(aha.decoder) as prof:
+                start = time.perf_counter()
+                maps = aha.decoder(feats, x, target)
+                total = time.perf_counter() - start
+            row.update(prof.seconds)
+            row["resizes, concatenations"] = total - sum(prof.seconds.values())
+            row["decoder"] = total
+            start = time.perf_counter()
+            standardise_maps(maps)
+            row["standardise"] = time.perf_counter() - start
+            if not best or row["decoder"] + row["backbone"] < best["decoder"] + best["backbone"]:
+                best = row
+    return {k: 1e3 * v / len(x) for k, v in best.items()}
+
+
+def run(model: str, size: int, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+    classifier = build(model, size)
+    batch = max(2, round(64 * (32 / size) ** 2))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(batch, 3, size, size, generator=gen)
+    target = torch.randint(0, 10, (batch,), generator=gen)
+    aha = AHA(classifier, AHAConfig())
+    methods = {
+        "gradient": get_explainer("gradient", classifier),
+        "SfP": get_explainer("pullback-soft", classifier),
+        "PA K=5": get_explainer("pullback-ascent", classifier, steps=5),
+        "IG-50": get_explainer("integrated-gradients", classifier, n_steps=50, internal_batch_size=512),
+        "AHA T=0": get_explainer("aha", classifier, aha=aha),
+    }
+    ms = {}
+    for name, explainer in methods.items():
+        reps = 1 if name == "IG-50" and size >= 224 else repeats
+        ms[name] = best_ms(lambda e=explainer: e.attribute(x, target), batch, reps)
+    return ms, aha_profile(aha, x, target, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--sizes", default="32,64,224")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    models = [m.strip() for m in args.models.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",")]
+    method_rows, profile_rows = [], []
+    for model in models:
+        for size in sizes:
+            ms, prof = run(model, size, args.repeats)
+            method_rows.append((model, size, ms))
+            profile_rows.append((model, size, prof))
+            print(f"{model} {size}px: " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()), flush=True)
+    print(f"\n{torch.get_num_threads()} threads; ms/image (min of {args.repeats}); ratios within a row\n")
+    print("| model | px | gradient | SfP | PA K=5 | IG-50 | AHA T=0 | SfP / gradient | PA / gradient | IG-50 / PA |"
+          " IG-50 / AHA |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for model, size, ms in method_rows:
+        g, s, pa, ig, aha = (ms[k] for k in ("gradient", "SfP", "PA K=5", "IG-50", "AHA T=0"))
+        print(
+            f"| {model} | {size} | {g:.2f} | {s:.2f} | {pa:.2f} | {ig:.1f} | {aha:.2f} | {s / g:.2f} | {pa / g:.2f} | "
+            f"{ig / pa:.1f}x | {ig / aha:.1f}x |"
+        )
+    parts = list(profile_rows[0][2])
+    print("\nAHA T=0 profile, ms/image\n")
+    print("| part | " + " | ".join(f"{m} {s}" for m, s, _ in profile_rows) + " |")
+    print("|---|" + "---|" * len(profile_rows))
+    names = sorted({k for _, _, p in profile_rows for k in p}, key=lambda k: parts.index(k) if k in parts else 99)
+    for part in names:
+        print(f"| {part} | " + " | ".join(f"{p.get(part, 0.0):.3f}" for _, _, p in profile_rows) + " |")
+
+
+if __name__ == "__main__":
+    main()
