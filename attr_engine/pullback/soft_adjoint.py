@@ -264,7 +264,7 @@ class _HeldStatistics(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         plain: Callable[[torch.Tensor], torch.Tensor],
