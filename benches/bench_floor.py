@@ -17,6 +17,14 @@ call, in ms per image; ratios are taken within one model and size, from the same
   each level's projection and fusion, the x2 upsampling convolutions, the full-resolution image stem, the head
   (with the output projection), the rest (resizes, concatenations: the decoder's time not in those modules) and
   the per-image standardisation.
+
+``--step`` profiles one AHA training step instead (issue #24 item 4), on the leaderboard's small ViT and ResNet
+(``small_model_config``) at ``--step-size`` px with the default AHAConfig (16 fractions, two targets per image) at
+batch ``--step-batch`` and a fixed grid (``--step-grid``; the 64 px rule draws 7..28): the classifier and
+backbone passes that pick the targets, the decoder, the engine (region pooling, the sorter, the blend, the loss)
+and the classifier passes on the blended images, forward and backward apart. The backward is split where its
+gradient reaches the blended images (the classifier's part ends) and the maps (the engine's part ends), by
+tensor hooks; the engine's share is what is neither a classifier, backbone nor decoder pass.
 """
 
 from __future__ import annotations
@@ -29,11 +37,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+import kernels
 from attr_engine.aha import AHA, AHAConfig
+from attr_engine.aha.loss import peak_penalty, sorter_scores, target_probabilities, trapezoid_auc
 from attr_engine.aha.model import standardise_maps
 from attr_engine.classifier import Classifier, load_classifier
 from attr_engine.classifier_training import small_model_config
 from attr_engine.explainer import get_explainer
+from attr_engine.imageops import reference_image
 
 MODELS = ("vit", "resnet18", "convnext_tiny")
 
@@ -142,14 +153,109 @@ def run(model: str, size: int, repeats: int) -> tuple[dict[str, float], dict[str
     return ms, aha_profile(aha, x, target, repeats)
 
 
+def step_parts(aha: AHA, x: torch.Tensor, grid: int, gen: torch.Generator) -> dict[str, float]:
+    """Seconds of each part of one training step of ``aha`` on images ``x`` (as ``trainer._train_step`` runs it:
+    the same calls in the same order, with the grid, the reference and the fractions fixed)."""
+    cfg = aha.config.resolved(x.shape[-1])
+    clf = aha.classifier
+    row: dict[str, float] = {}
+    start = time.perf_counter()
+    with torch.no_grad():
+        top2 = clf(x).topk(2, dim=1).indices
+        feats = aha.backbone(x)
+    target = torch.cat((top2[:, 0], top2[:, 1]))  # "pred+label" with labels unknown: the runner-up
+    xs = x.repeat(2, 1, 1, 1)
+    feats = [f.repeat(2, 1, 1, 1) for f in feats]
+    row["targets: classifier + backbone (no grad)"] = time.perf_counter() - start
+    start = time.perf_counter()
+    maps = aha.decoder(feats, xs, target)
+    row["decoder forward"] = time.perf_counter() - start
+    start = time.perf_counter()
+    reference = reference_image(xs, "mean", clf.norm_mean)
+    fractions = torch.linspace(0, 1, cfg.n_fractions)
+    scores = sorter_scores(kernels.region_pool(maps, grid, (0.3, 0.6)).flatten(1), cfg.score_norm, cfg.anchor_span)
+    masks = kernels.soft_topk_masks(
+        torch.cat((scores, -scores)), fractions, tau=0.5, n_iters=cfg.n_iters, noise=cfg.noise, generator=int(
+            torch.randint(0, 2**30, (1,), generator=gen)), validate=False,
+    ).view(2 * len(xs), -1, grid, grid)  # fmt: skip
+    images = kernels.soft_mask_blend(
+        torch.cat((xs, xs)), torch.cat((reference, reference)), masks, (0.3, 0.6), smooth_sigma=cfg.mask_sigma,
+        validate=False,
+    )  # fmt: skip
+    row["engine forward: pool, sorter, blend"] = time.perf_counter() - start
+    start = time.perf_counter()
+    curves = target_probabilities(clf, images, torch.cat((target, target)))
+    row["classifier forward (blends)"] = time.perf_counter() - start
+    start = time.perf_counter()
+    aucs = trapezoid_auc(curves, fractions)
+    loss = aucs[: len(xs)].mean() + (1 - aucs[len(xs) :]).mean() + cfg.peak_weight * peak_penalty(maps, cfg.peak_kernel)
+    row["engine forward: loss"] = time.perf_counter() - start
+    marks: dict[str, float] = {}
+
+    def mark(name: str) -> Callable[[torch.Tensor], None]:
+        def hook(_grad: torch.Tensor) -> None:
+            marks.setdefault(name, time.perf_counter())
+
+        return hook
+
+    images.register_hook(mark("images"))
+    maps.register_hook(mark("maps"))
+    start = time.perf_counter()
+    loss.backward()
+    end = time.perf_counter()
+    row["classifier backward (blends)"] = marks["images"] - start
+    row["engine backward: blend, sorter, pool, loss"] = marks["maps"] - marks["images"]
+    row["decoder backward"] = end - marks["maps"]
+    aha.decoder.zero_grad(set_to_none=True)
+    return row
+
+
+def step_profile(kind: str, size: int, batch: int, grid: int, repeats: int) -> dict[str, float]:
+    """ms per training step of each part (the fastest of ``repeats`` steps after one warm-up)."""
+    config = small_model_config(kind, size)
+    torch.manual_seed(0)
+    classifier = load_classifier(config.name, num_classes=10, img_size=size, **config.kwargs)
+    aha = AHA(classifier, AHAConfig())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(batch, 3, size, size, generator=gen)
+    step_parts(aha, x, grid, gen)
+    rows = [step_parts(aha, x, grid, gen) for _ in range(repeats)]
+    best = min(rows, key=lambda r: sum(r.values()))
+    return {k: 1e3 * v for k, v in best.items()}
+
+
+def print_step_profiles(args: argparse.Namespace) -> None:
+    profiles = {kind: step_profile(kind, args.step_size, args.step_batch, args.step_grid, args.repeats)
+                for kind in ("vit", "resnet")}  # fmt: skip
+    print(
+        f"\n{torch.get_num_threads()} threads; one AHA training step, {args.step_size} px, batch {args.step_batch} "
+        f"(x2 targets), grid {args.step_grid}, {AHAConfig().n_fractions} fractions; ms (min of {args.repeats})\n"
+    )
+    print("| part | " + " | ".join(profiles) + " |")
+    print("|---|" + "---|" * len(profiles))
+    for part in next(iter(profiles.values())):
+        print(f"| {part} | " + " | ".join(f"{p[part]:.1f}" for p in profiles.values()) + " |")
+    totals = {k: sum(p.values()) for k, p in profiles.items()}
+    print("| total | " + " | ".join(f"{t:.1f}" for t in totals.values()) + " |")
+    shares = {k: sum(v for n, v in p.items() if n.startswith("engine")) / totals[k] for k, p in profiles.items()}
+    print("| **engine share** | " + " | ".join(f"**{s:.1%}**" for s in shares.values()) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--sizes", default="32,64,224")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--step", action="store_true", help="profile one AHA training step instead")
+    parser.add_argument("--step-size", type=int, default=64)
+    parser.add_argument("--step-batch", type=int, default=8)
+    parser.add_argument("--step-grid", type=int, default=16)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.step:
+        print_step_profiles(args)
+        return
     models = [m.strip() for m in args.models.split(",")]
     sizes = [int(s) for s in args.sizes.split(",")]
     method_rows, profile_rows = [], []

@@ -306,6 +306,10 @@ class Decoder(nn.Module):
         # No bias: rankings ignore a constant offset, so its gradient is pure rounding noise that Adam would
         # amplify into a random walk.
         self.out = nn.Conv2d(half, 1, 1, bias=False)
+        # channels_last convolution weights (and activations, see trunk): oneDNN's direct kernels skip the reorders
+        # it otherwise does around every convolution; 1.3-1.4x faster decoder on the CPU (bench_floor, 32 and
+        # 64 px). Same values up to rounding; a checkpoint stores the weights contiguous either way.
+        self.to(memory_format=torch.channels_last)
 
     def forward(self, feats: list[torch.Tensor], x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """feats: levels (B, C_l, h_l, w_l); x: (B, 3, H, W) in [0, 1]; target: (B,) class ids -> (B, H, W)."""
@@ -322,6 +326,9 @@ class Decoder(nn.Module):
     def trunk(self, feats: list[torch.Tensor], x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Fused features at input resolution joined with the image stem: (B, dim + dim // 2, H, W)."""
         emb = self.class_embed(target)[:, :, None, None]
+        cl = torch.channels_last
+        feats = [f.contiguous(memory_format=cl) if f.ndim == 4 else f for f in feats]
+        x = x.contiguous(memory_format=cl)
         # Coarse to fine: each level adds the upsampled sum of the coarser ones (stable order for equal sizes).
         order = sorted(range(len(feats)), key=lambda i: (feats[i].shape[-2] * feats[i].shape[-1], -i))
         fused = None
@@ -340,7 +347,8 @@ class Decoder(nn.Module):
             fused = self.up(fused)
         for _ in range(steps):
             fused = self.up(F.interpolate(fused, scale_factor=2.0, mode="bilinear", align_corners=False))
-        fused = F.interpolate(fused, size=(height, width), mode="bilinear", align_corners=False)
+        if fused.shape[-2:] != (height, width):  # an identity resize would still cost a pass over the map
+            fused = F.interpolate(fused, size=(height, width), mode="bilinear", align_corners=False)
         return torch.cat((fused, self.image_stem(x)), dim=1)
 
 
