@@ -207,9 +207,51 @@ def soft_maxpool2d_detach(
     return s - s.detach() + y
 
 
+# Smallest window sum the pooled form trusts: below it the window sits too deep under its plane's maximum (about
+# 690 tau) for float64 and the unfolded form, shifted by each window's own maximum, is used instead.
+_POOLED_TINY = 1e-290
+
+
+def _soft_maxpool2d_backward_pooled(
+    x: torch.Tensor, grad: torch.Tensor, geom: list[int], ceil_mode: bool, tau: float
+) -> torch.Tensor | None:
+    """The backward of :func:`_soft_maxpool2d_backward_unfolded` through two pooling kernels, or None where it
+    cannot be trusted (dilation, or a window whose float64 sum underflows).
+
+    ``softmax(window / tau)_j = E_j / S_i`` with ``E = exp((x - c) / tau)`` for any constant c per (b, c) plane (its
+    maximum here, so E <= 1), ``S`` the window sums of E: a sum pooling (``avg_pool2d`` with divisor 1; padding
+    adds 0, as a -inf padded window does) and its adjoint (``avg_pool2d_backward``) scatters ``grad / S`` back.
+    Nothing window-sized is formed: on the CPU about twice as fast as unfolding (its im2col, col2im and softmax over
+    KH * KW x the output size set a ResNet's soft-pass overhead). In float64 whatever the input dtype, so windows
+    down to ~690 tau below their plane's maximum keep full precision; deeper ones fall back.
+    """
+    kh, kw, sh, sw, ph, pw, dh, dw = geom
+    if (dh, dw) != (1, 1) or x.numel() == 0:
+        return None
+    xd = x.to(torch.float64)
+    e = (xd - xd.amax(dim=(2, 3), keepdim=True)).div_(tau).exp_()
+    sums = F.avg_pool2d(e, (kh, kw), (sh, sw), (ph, pw), ceil_mode, True, 1)
+    if sums.shape != grad.shape or not bool((sums > _POOLED_TINY).all()):
+        return None
+    scattered = torch.ops.aten.avg_pool2d_backward(
+        grad.to(torch.float64) / sums, e, [kh, kw], [sh, sw], [ph, pw], ceil_mode, True, 1
+    )
+    return e.mul_(scattered).to(x.dtype)
+
+
 def _soft_maxpool2d_backward_reference(
+    x: torch.Tensor, grad: torch.Tensor, geom: list[int], ceil_mode: bool, oh: int, ow: int, tau: float
+) -> torch.Tensor:
+    """``dx_j = sum over windows i holding j of grad_i * softmax(window_i / tau)_j``: pooled where it can be
+    trusted, unfolded otherwise (both compute the same sums)."""
+    pooled = _soft_maxpool2d_backward_pooled(x, grad, geom, ceil_mode, tau)
+    return pooled if pooled is not None else _soft_maxpool2d_backward_unfolded(x, grad, geom, oh, ow, tau)
+
+
+def _soft_maxpool2d_backward_unfolded(
     x: torch.Tensor, grad: torch.Tensor, geom: list[int], oh: int, ow: int, tau: float
 ) -> torch.Tensor:
+    """The soft max-pool backward by its definition: unfold the -inf padded windows, softmax each, fold back."""
     cd = compute_dtype(x.dtype)
     B, C = x.shape[:2]
     kh, kw, sh, sw, _, _, dh, dw = geom
@@ -224,10 +266,12 @@ def _soft_maxpool2d_backward_reference(
 
 
 class _SoftMaxPool2dReference(torch.autograd.Function):
-    """Forward ``F.max_pool2d``; backward recomputes the -inf padded windows, softmax weights, and folds back.
+    """Forward ``F.max_pool2d``; backward spreads each output's gradient over its window by the window's softmax.
 
-    Memory traffic: forward reads x and writes y; backward writes a padded copy of x, then the unfolded windows and
-    their softmax weights (each KH*KW x the output size) before folding back. Only x is saved.
+    Memory traffic: forward reads x and writes y. Backward (pooled form, no dilation): a float64 exp of x, a sum
+    pooling and its adjoint, all input- or output-sized; the unfolded form (dilation, or windows too far below their
+    plane's maximum) writes a padded copy of x, then the unfolded windows and their softmax weights (each KH*KW x
+    the output size) before folding back. Only x is saved.
     """
 
     @staticmethod
@@ -235,7 +279,7 @@ class _SoftMaxPool2dReference(torch.autograd.Function):
         kh, kw, sh, sw, ph, pw, dh, dw = geom
         y = F.max_pool2d(x, (kh, kw), (sh, sw), (ph, pw), (dh, dw), ceil_mode=ceil_mode)
         ctx.save_for_backward(x)
-        ctx.geom, ctx.tau, ctx.out_hw = geom, tau, y.shape[-2:]
+        ctx.geom, ctx.tau, ctx.out_hw, ctx.ceil_mode = geom, tau, y.shape[-2:], ceil_mode
         return y
 
     @staticmethod
@@ -243,7 +287,8 @@ class _SoftMaxPool2dReference(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (x,) = ctx.saved_tensors
         oh, ow = ctx.out_hw
-        return _soft_maxpool2d_backward_reference(x, grad, ctx.geom, oh, ow, ctx.tau), None, None, None
+        backward = _soft_maxpool2d_backward_reference(x, grad, ctx.geom, ctx.ceil_mode, oh, ow, ctx.tau)
+        return backward, None, None, None
 
 
 def soft_maxpool2d_reference(

@@ -232,6 +232,41 @@ def test_soft_maxpool2d_backward_is_softmax_spreading(pool: str) -> None:
         torch.testing.assert_close(dx, expected, atol=1e-13, rtol=1e-12)
 
 
+@pytest.mark.parametrize("pool", ["resnet", "vgg", "ceil"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_soft_maxpool2d_pooled_backward_equals_the_unfolded_one(pool: str, dtype: torch.dtype) -> None:
+    """The reference's fast form (a sum pooling and its adjoint) against the unfolded softmax it replaces."""
+    from kernels.soft_gates import _pool_geometry, _soft_maxpool2d_backward_pooled, _soft_maxpool2d_backward_unfolded
+
+    cfg, tau = POOLS[pool], 0.3
+    x = torch.randn(2, 3, 9, 7, dtype=dtype) * 4
+    geom, oh, ow = _pool_geometry(
+        x, cfg["kernel_size"], cfg.get("stride"), cfg.get("padding", 0), 1, cfg.get("ceil_mode", False)
+    )
+    g = torch.randn(2, 3, oh, ow, dtype=dtype)
+    pooled = _soft_maxpool2d_backward_pooled(x, g, geom, cfg.get("ceil_mode", False), tau)
+    assert pooled is not None and pooled.dtype == dtype
+    unfolded = _soft_maxpool2d_backward_unfolded(x, g, geom, oh, ow, tau)
+    torch.testing.assert_close(pooled, unfolded, **({"atol": 1e-12, "rtol": 1e-10} if dtype == torch.float64 else {}))
+
+
+def test_soft_maxpool2d_windows_far_below_their_plane_maximum_fall_back_to_the_unfolded_form() -> None:
+    """A plane whose maximum sits 1000 tau above a window underflows the pooled form's float64 sums: the reference
+    must notice and still give the exact softmax spreading, not NaN."""
+    from kernels.soft_gates import _pool_geometry, _soft_maxpool2d_backward_pooled
+
+    cfg, tau = POOLS["resnet"], 0.3
+    x = torch.randn(1, 2, 8, 8, dtype=torch.float64)
+    x[0, 0, 0, 0] = 300.0
+    geom, _, _ = _pool_geometry(x, 3, 2, 1, 1, False)
+    g = torch.randn_like(F.max_pool2d(x, **cfg))
+    assert _soft_maxpool2d_backward_pooled(x, g, geom, False, tau) is None
+    _, expected = _value_and_grad(lambda t: _smooth_max_pool(t, cfg, tau), x, g)
+    _, dx = _value_and_grad(lambda t: soft_maxpool2d_reference(t, **cfg, tau=tau), x, g)
+    assert torch.isfinite(dx).all()
+    torch.testing.assert_close(dx, expected, atol=1e-13, rtol=1e-12)
+
+
 @pytest.mark.parametrize("pool", ["resnet", "ceil", "rect_dilated"])
 def test_soft_maxpool2d_gradcheck_against_smooth_surrogate(pool: str) -> None:
     cfg, tau = POOLS[pool], 0.5
