@@ -446,8 +446,11 @@ def test_attribute_defaults_to_prediction_and_refines():
     torch.testing.assert_close(refined, aha.attribute(x, refine_steps=2, generator=0))
 
 
-@pytest.mark.parametrize(("depth", "score_norm", "atol"), [(1, "raw", 1e-5), (2, "raw", 1e-5), (2, "zscore", 1e-4)])
-def test_a_refined_map_does_not_depend_on_its_batch(depth, score_norm, atol):
+@pytest.mark.parametrize(
+    ("depth", "score_norm", "atol", "decoder"),
+    [(1, "raw", 1e-5, "full"), (2, "raw", 1e-5, "full"), (2, "zscore", 1e-4, "full"), (2, "raw", 1e-5, "light")],
+)
+def test_a_refined_map_does_not_depend_on_its_batch(depth, score_norm, atol, decoder):
     """Issue #13.3: refinement fine-tuned one decoder on the whole batch, so a map changed with its batch mates.
 
     Raw maps agree to 1e-5 (measured: 1e-7). Standardised maps ("zscore") are the raw ones divided by their
@@ -455,7 +458,7 @@ def test_a_refined_map_does_not_depend_on_its_batch(depth, score_norm, atol):
     of the offset (1e-8 between batch sizes, already at T=0) becomes 1e-5 there (measured up to 2.3e-5 at T=3).
     """
     clf = colour_classifier()
-    aha = AHA(clf, AHAConfig(**FAST, refine_depth=depth, score_norm=score_norm))
+    aha = AHA(clf, AHAConfig(**FAST, refine_depth=depth, score_norm=score_norm, decoder=decoder))
     x, _ = colour_images(8)
     together = aha.attribute(x, 0, refine_steps=3, seed=0)
     alone = torch.cat([aha.attribute(x[i : i + 1], 0, refine_steps=3, seed=0) for i in range(8)])
@@ -467,11 +470,12 @@ def test_a_refined_map_does_not_depend_on_its_batch(depth, score_norm, atol):
     assert moved > 100 * atol  # the steps moved the maps far more than the tolerance
 
 
-def test_the_per_image_tail_starts_as_the_decoder_and_refinement_lowers_the_soft_objective():
+@pytest.mark.parametrize("decoder", ["full", "light"])
+def test_the_per_image_tail_starts_as_the_decoder_and_refinement_lowers_the_soft_objective(decoder):
     from attr_engine.aha.network import PerImageTail
 
     clf = colour_classifier()
-    aha = AHA(clf, AHAConfig(**FAST))
+    aha = AHA(clf, AHAConfig(**FAST, decoder=decoder))
     x, _ = colour_images(4)
     target = clf(x).argmax(1)
     feats = aha.backbone(x)
@@ -526,6 +530,25 @@ def test_image_dim_sets_the_full_resolution_width_and_round_trips(tmp_path):
     assert loaded.config.image_dim == 12
     x, _ = colour_images(2)
     torch.testing.assert_close(loaded.attribute(x), aha.attribute(x), atol=0, rtol=0)
+
+
+def test_the_light_decoder_upsamples_at_the_image_width_and_round_trips(tmp_path):
+    clf = colour_classifier()
+    aha = AHA(clf, AHAConfig(**FAST, decoder="light", image_dim=12))
+    dec = aha.decoder
+    # Every convolution at or above half the input resolution is pointwise or depthwise, except the refined one
+    # (the head's last 3x3) and the stem's first (3 input channels).
+    for stage in (dec.up, dec.image_stem[2:], dec.head[:-2]):
+        for conv in (m for m in stage.modules() if isinstance(m, torch.nn.Conv2d)):
+            assert conv.kernel_size == (1, 1) or conv.groups == conv.in_channels == 12
+    assert dec.reduce.out_channels == 12 and dec.tail_conv.kernel_size == (3, 3)
+    aha.save(tmp_path)
+    loaded = AHA.load(tmp_path, clf)
+    assert loaded.config.decoder == "light"
+    x, _ = colour_images(2)
+    torch.testing.assert_close(loaded.attribute(x), aha.attribute(x), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="decoder must be one of"):
+        AHAConfig(decoder="dpt")
 
 
 def test_a_checkpoint_from_before_score_norm_and_mask_sigma_loads_with_what_it_was_trained_on(tmp_path):

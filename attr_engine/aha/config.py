@@ -11,6 +11,9 @@ from typing import Any
 from attr_engine.imageops import REFERENCES
 from kernels._validate import check_bool, check_int, check_int_at_least, check_non_negative, check_positive
 
+# The decoder designs (attr_engine.aha.network.Decoder's ``kind``).
+DECODERS = ("full", "light")
+
 FRACTION_SAMPLING = ("linspace", "random")
 TARGET_MODES = ("pred+label", "pred")
 SCORE_NORMS = ("raw", "zscore")
@@ -63,6 +66,10 @@ class AHAConfig:
             feature position. Project (CPU-sized; the official decoder is a DPT at ViT-L width).
         image_dim: channels of the full-resolution image encoding and of the head that joins it to the fused
             features; ``None`` = ``max(8, decoder_dim // 2)``. Project.
+        decoder: "full" (3x3 convolutions at ``decoder_dim`` channels up to the input resolution) or "light"
+            (upsampling at ``image_dim`` channels, depthwise-separable stages at and above half the input
+            resolution: its cost per pixel follows ``image_dim``; see :class:`~attr_engine.aha.network.Decoder`).
+            Project.
 
     Loss (methods.md section 1):
         grid_range: inclusive (min, max) grid size drawn per step; ``None`` = :func:`grid_rule` of the short side:
@@ -133,6 +140,7 @@ class AHAConfig:
     decoder_dim: int = 64
     class_dim: int = 32
     image_dim: int | None = None
+    decoder: str = "full"
 
     grid_range: tuple[int, int] | None = None
     random_offset: bool = True
@@ -182,6 +190,8 @@ class AHAConfig:
         check_int_at_least(self.class_dim, "class_dim", 1)
         if self.image_dim is not None:
             check_int_at_least(self.image_dim, "image_dim", 1)
+        if self.decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {DECODERS}, got {self.decoder!r}")
         check_int_at_least(self.n_iters, "n_iters", 1)
         check_int_at_least(self.n_fractions, "n_fractions", 2)  # a curve needs two points
         check_int_at_least(self.refine_fractions, "refine_fractions", 2)

@@ -87,7 +87,12 @@ class AHA(nn.Module, Explainer):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.config.seed)
             self.decoder = Decoder(
-                channels, classifier.num_classes, self.config.decoder_dim, self.config.class_dim, self.config.image_dim
+                channels,
+                classifier.num_classes,
+                self.config.decoder_dim,
+                self.config.class_dim,
+                self.config.image_dim,
+                self.config.decoder,
             )
         self.decoder.to(classifier.norm_mean.device)
         self.steps_trained = 0

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attr_engine.aha.config import DECODERS
 from attr_engine.classifier import Classifier, load_classifier
 from attr_engine.model_sources import is_hf_classifier, is_torchvision_vit
 
@@ -272,6 +273,12 @@ class _ConvUnit(nn.Module):
         return x + self.conv2(F.gelu(self.conv1(F.gelu(x))))
 
 
+def _separable(dim: int) -> nn.Sequential:
+    """Depthwise 3x3 then pointwise 1x1 convolution: ``dim * (9 + dim)`` multiply-adds per pixel instead of a full
+    3x3's ``9 * dim^2`` (8x fewer at 32 channels)."""
+    return nn.Sequential(nn.Conv2d(dim, dim, 3, padding=1, groups=dim), nn.Conv2d(dim, dim, 1))
+
+
 class Decoder(nn.Module):
     """Class-conditioned decoder: backbone levels + class id + image -> one-channel map at input resolution.
 
@@ -280,6 +287,12 @@ class Decoder(nn.Module):
         num_classes: classes the embedding covers.
         dim: fused width; class_dim: class-embedding size.
         image_dim: width of the full-resolution image encoding and of the head (``None``: ``max(8, dim // 2)``).
+        kind: ``"full"`` (every x2 upsampling step a 3x3 convolution at ``dim`` channels, full 3x3 convolutions in
+            the image encoding and the head) or ``"light"``: the fused features are projected to ``image_dim``
+            before upsampling, and every stage at or above half the input resolution is depthwise-separable, so
+            the cost per input pixel is about ``image_dim * (4 * 9 + 13 * image_dim)`` multiply-adds (~15 k at 32
+            channels, against ~84 k for "full" at dim 64, most of it the head's last 3x3 convolution, which
+            refinement adapts): it follows the image encoding's width, not the fused one.
     """
 
     def __init__(
@@ -289,20 +302,34 @@ class Decoder(nn.Module):
         dim: int = 64,
         class_dim: int = 32,
         image_dim: int | None = None,
+        kind: str = "full",
     ) -> None:
         super().__init__()
+        if kind not in DECODERS:
+            raise ValueError(f"decoder kind must be one of {DECODERS}, got {kind!r}")
+        self.kind = kind
         self.class_embed = nn.Embedding(num_classes, class_dim)
         nn.init.normal_(self.class_embed.weight, std=1.0)
         self.project = nn.ModuleList(nn.Conv2d(c + class_dim, dim, 1) for c in feature_channels)
         self.fuse = nn.ModuleList(_ConvUnit(dim) for _ in feature_channels)
-        self.up = nn.Sequential(nn.Conv2d(dim, dim, 3, padding=1), nn.GELU())
         half = max(8, dim // 2) if image_dim is None else image_dim
-        self.image_stem = nn.Sequential(
-            nn.Conv2d(3, half, 3, padding=1), nn.GELU(), nn.Conv2d(half, half, 3, padding=1), nn.GELU()
-        )
-        self.head = nn.Sequential(
-            nn.Conv2d(dim + half, half, 3, padding=1), nn.GELU(), nn.Conv2d(half, half, 3, padding=1), nn.GELU()
-        )
+        if kind == "full":
+            self.up = nn.Sequential(nn.Conv2d(dim, dim, 3, padding=1), nn.GELU())
+            self.image_stem = nn.Sequential(
+                nn.Conv2d(3, half, 3, padding=1), nn.GELU(), nn.Conv2d(half, half, 3, padding=1), nn.GELU()
+            )
+            self.head = nn.Sequential(
+                nn.Conv2d(dim + half, half, 3, padding=1), nn.GELU(), nn.Conv2d(half, half, 3, padding=1), nn.GELU()
+            )
+        else:
+            self.reduce = nn.Conv2d(dim, half, 1)
+            self.up = nn.Sequential(*_separable(half), nn.GELU())
+            self.image_stem = nn.Sequential(nn.Conv2d(3, half, 3, padding=1), nn.GELU(), *_separable(half), nn.GELU())
+            # The last convolution stays a full 3x3: it is what refinement adapts per image (PerImageTail), and a
+            # pointwise one there did not lower the soft objective in six steps where the 3x3 does (tested).
+            self.head = nn.Sequential(
+                nn.Conv2d(2 * half, half, 1), nn.GELU(), nn.Conv2d(half, half, 3, padding=1), nn.GELU()
+            )
         # No bias: rankings ignore a constant offset, so its gradient is pure rounding noise that Adam would
         # amplify into a random walk.
         self.out = nn.Conv2d(half, 1, 1, bias=False)
@@ -317,14 +344,22 @@ class Decoder(nn.Module):
 
     def hidden(self, feats: list[torch.Tensor], x: torch.Tensor, target: torch.Tensor, depth: int) -> torch.Tensor:
         """The activations (B, C, H, W) that enter the decoder's last ``depth`` layers (1: the output projection;
-        2: also the head's last 3x3 convolution), as :class:`PerImageTail` takes them."""
+        2: also the head's last convolution, :attr:`tail_conv`), as :class:`PerImageTail` takes them."""
         if depth not in (1, 2):
             raise ValueError(f"depth must be 1 or 2, got {depth!r}")
         z = self.trunk(feats, x, target)
-        return self.head(z) if depth == 1 else self.head[1](self.head[0](z))
+        return self.head(z) if depth == 1 else self.head[:-2](z)
+
+    @property
+    def tail_conv(self) -> nn.Conv2d:
+        """The head's last convolution (3x3), refined per image at depth 2."""
+        conv = self.head[-2]
+        assert isinstance(conv, nn.Conv2d)
+        return conv
 
     def trunk(self, feats: list[torch.Tensor], x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Fused features at input resolution joined with the image stem: (B, dim + dim // 2, H, W)."""
+        """Fused features at input resolution joined with the image stem: (B, dim + image_dim, H, W) ("full") or
+        (B, 2 * image_dim, H, W) ("light")."""
         emb = self.class_embed(target)[:, :, None, None]
         cl = torch.channels_last
         feats = [f.contiguous(memory_format=cl) if f.ndim == 4 else f for f in feats]
@@ -339,6 +374,8 @@ class Decoder(nn.Module):
                 z = z + F.interpolate(fused, size=z.shape[-2:], mode="bilinear", align_corners=False)
             fused = self.fuse[i](z)
         assert fused is not None
+        if self.kind == "light":
+            fused = self.reduce(fused)  # upsample at the image encoding's width, not the fused one
         height, width = x.shape[-2:]
         # x2 steps (shared weights) up to the input resolution, then an exact resize for odd sizes. The conv runs at
         # least once so every parameter takes part in every step (DistributedDataParallel requires it).
@@ -363,7 +400,8 @@ class PerImageTail(nn.Module):
     Args:
         decoder: the trained decoder whose layers are copied (not modified).
         batch: number of images B.
-        depth: 1 refines the output projection (``half`` weights per image); 2 also the head's last 3x3 conv.
+        depth: 1 refines the output projection (``image_dim`` weights per image); 2 also the head's last
+            convolution (:attr:`Decoder.tail_conv`).
     """
 
     def __init__(self, decoder: Decoder, batch: int, depth: int) -> None:
@@ -374,15 +412,17 @@ class PerImageTail(nn.Module):
         out = decoder.out.weight.detach()[0, :, 0, 0]  # (C,)
         self.out = nn.Parameter(out.expand(batch, -1).clone())  # (B, C)
         if depth == 2:
-            conv = decoder.head[2]
-            assert isinstance(conv, nn.Conv2d) and conv.bias is not None
-            self.weight = nn.Parameter(conv.weight.detach().repeat(batch, 1, 1, 1))  # (B * C, C, 3, 3)
-            self.bias = nn.Parameter(conv.bias.detach().repeat(batch))  # (B * C,)
+            conv = decoder.tail_conv
+            bias = conv.bias
+            assert bias is not None  # every head convolution has one
+            self.padding = conv.kernel_size[0] // 2
+            self.weight = nn.Parameter(conv.weight.detach().repeat(batch, 1, 1, 1))  # (B * C, C, k, k)
+            self.bias = nn.Parameter(bias.detach().repeat(batch))  # (B * C,)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (B, C, H, W) from :meth:`Decoder.hidden` at the same depth -> maps (B, H, W)."""
         if self.depth == 2:
             bsz, ch, height, width = hidden.shape
             flat = hidden.reshape(1, bsz * ch, height, width)
-            hidden = F.gelu(F.conv2d(flat, self.weight, self.bias, padding=1, groups=bsz)).view_as(hidden)
+            hidden = F.gelu(F.conv2d(flat, self.weight, self.bias, padding=self.padding, groups=bsz)).view_as(hidden)
         return torch.einsum("bchw,bc->bhw", hidden, self.out)
