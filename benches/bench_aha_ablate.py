@@ -19,6 +19,7 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
 - ``taps``: the decoder's taps. CNNs: without the stride-2 stem level, without the deepest stage (at 64 px a
   stride-32 stage is 2 x 2); ViTs: the last two blocks only.
 - ``steps``: the training length: twice the steps.
+- ``decoder``: the light decoder (``AHAConfig.decoder="light"``, issue #24: 2-3.4x cheaper) against the full one.
 
 Scored beside IG-50, gradient x input and the two pullbacks (with their ``x·(x−r)`` rows) on the same held-out
 images with :func:`attr_engine.evaluate.evaluate`: deletion / insertion (AHA protocol: mean-colour reference, 21
@@ -44,7 +45,7 @@ from attr_engine.explainer import Explainer, get_explainer
 from attr_engine.report import leaderboard_markdown, write_markdown
 from benches.bench_leaderboard import FULL, PHOTOS_FULL, PHOTOS_QUICK, QUICK, Budget, composite, train
 
-FAMILIES = ("refs", "targets", "grid", "image", "taps", "steps")
+FAMILIES = ("refs", "targets", "grid", "image", "taps", "steps", "decoder")
 PEERS = ("integrated-gradients", "gradient-x-input", "pullback-soft", "pullback-ascent")
 
 
@@ -76,6 +77,8 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
         }
     if family == "steps":
         return {"steps x2": {"_steps_factor": 2}}
+    if family == "decoder":
+        return {"decoder light": {"decoder": "light"}}
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 
