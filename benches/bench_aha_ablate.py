@@ -106,10 +106,22 @@ def run(args: argparse.Namespace) -> Leaderboard:
         for name, overrides in variants(family, args.kind, args.img, levels).items():
             factor = overrides.pop("_steps_factor", 1)
             config = dataclasses.replace(base, **overrides)
-            variant = AHA(classifier, config)
-            start = time.perf_counter()
             steps = budget.aha_steps * factor
-            variant.fit(train_set, batch_size=8, epochs=100, max_steps=steps, progress=False)
+            # Each trained variant is kept beside the leaderboard's cache entry, so a later run (another family,
+            # or one stopped half-way) reuses it.
+            folder = None
+            if args.cache is not None:
+                key = f"{args.data}_{args.kind}_{args.img}px_seed{args.seed}_{budget.n_train}x{budget.epochs}"
+                folder = args.cache / "ablations" / key / name.replace(" ", "_").replace("+", "-")
+            start = time.perf_counter()
+            if folder is not None and folder.is_dir():
+                variant = AHA.load(folder, classifier)
+                print(f"[{args.kind}] {name}: loaded from {folder}", flush=True)
+            else:
+                variant = AHA(classifier, config)
+                variant.fit(train_set, batch_size=8, epochs=100, max_steps=steps, progress=False)
+                if folder is not None:
+                    variant.save(folder)
             seconds = time.perf_counter() - start
             print(f"[{args.kind}] {name}: {steps} steps in {seconds:.0f} s", flush=True)
             methods[name] = get_explainer("aha", classifier, aha=variant)
