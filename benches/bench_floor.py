@@ -146,6 +146,9 @@ def run(model: str, size: int, repeats: int) -> tuple[dict[str, float], dict[str
         "IG-50": get_explainer("integrated-gradients", classifier, n_steps=50, internal_batch_size=512),
         "AHA T=0": get_explainer("aha", classifier, aha=aha),
     }
+    if "decoder" in AHAConfig.__dataclass_fields__:  # the light decoder (absent before issue #24)
+        light = AHA(classifier, AHAConfig(decoder="light"))
+        methods["AHA T=0 light"] = get_explainer("aha", classifier, aha=light)
     ms = {}
     for name, explainer in methods.items():
         reps = 1 if name == "IG-50" and size >= 224 else repeats
@@ -266,14 +269,16 @@ def main() -> None:
             profile_rows.append((model, size, prof))
             print(f"{model} {size}px: " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()), flush=True)
     print(f"\n{torch.get_num_threads()} threads; ms/image (min of {args.repeats}); ratios within a row\n")
-    print("| model | px | gradient | SfP | PA K=5 | IG-50 | AHA T=0 | SfP / gradient | PA / gradient | IG-50 / PA |"
-          " IG-50 / AHA |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | px | gradient | SfP | PA K=5 | IG-50 | AHA T=0 | AHA T=0 light | SfP / gradient | PA / gradient |"
+          " IG-50 / PA | IG-50 / AHA | IG-50 / AHA light |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model, size, ms in method_rows:
         g, s, pa, ig, aha = (ms[k] for k in ("gradient", "SfP", "PA K=5", "IG-50", "AHA T=0"))
+        light = ms.get("AHA T=0 light")
+        cells = (f"{light:.2f}", f"{ig / light:.1f}x") if light else ("-", "-")
         print(
-            f"| {model} | {size} | {g:.2f} | {s:.2f} | {pa:.2f} | {ig:.1f} | {aha:.2f} | {s / g:.2f} | {pa / g:.2f} | "
-            f"{ig / pa:.1f}x | {ig / aha:.1f}x |"
+            f"| {model} | {size} | {g:.2f} | {s:.2f} | {pa:.2f} | {ig:.1f} | {aha:.2f} | {cells[0]} | {s / g:.2f} | "
+            f"{pa / g:.2f} | {ig / pa:.1f}x | {ig / aha:.1f}x | {cells[1]} |"
         )
     parts = list(profile_rows[0][2])
     print("\nAHA T=0 profile, ms/image\n")
