@@ -289,10 +289,11 @@ class Decoder(nn.Module):
         image_dim: width of the full-resolution image encoding and of the head (``None``: ``max(8, dim // 2)``).
         kind: ``"full"`` (every x2 upsampling step a 3x3 convolution at ``dim`` channels, full 3x3 convolutions in
             the image encoding and the head) or ``"light"``: the fused features are projected to ``image_dim``
-            before upsampling, and every stage at or above half the input resolution is depthwise-separable, so
-            the cost per input pixel is about ``image_dim * (4 * 9 + 13 * image_dim)`` multiply-adds (~15 k at 32
-            channels, against ~84 k for "full" at dim 64, most of it the head's last 3x3 convolution, which
-            refinement adapts): it follows the image encoding's width, not the fused one.
+            before upsampling, and the upsampling steps, the image encoding and the head are depthwise-separable
+            or pointwise, except the stem's first convolution (3 channels in) and the head's last 3x3 (the layer
+            refinement adapts). Per input pixel that is about ``13 * image_dim^2 + 50 * image_dim`` multiply-adds
+            (~15 k at 32 channels, against ~84 k for "full" at dim 64): the cost follows the image encoding's
+            width, not the fused one.
     """
 
     def __init__(
