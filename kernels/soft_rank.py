@@ -21,8 +21,9 @@ Three paths, one definition:
   same E. When potentials drift too far from the reference pair E is re-formed, and a half-step whose sums would
   underflow is done exactly in the log domain, so scores of any scale and tiny tau stay finite. The Gumbel noise is
   regenerated from per-sample seeds in the backward instead of being stored. Registered as a custom op, so
-  ``torch.compile`` sees one node. Chunks hold one sample per cache-sized slab on one thread and at least two
-  samples per thread otherwise (see :func:`_chunk_size`).
+  ``torch.compile`` sees one node. Chunks hold as many samples as fit a cache-sized slab (one at N = 784); with
+  several torch threads on the CPU, worker threads take whole chunks (see :func:`_for_each_chunk`), so the masks
+  never depend on the thread count.
 - Triton (fused): one launch per Sinkhorn half-step over (sample, block of 32 rank slots or cells) programs, the
   potentials in global memory between launches; each program regenerates its K tiles and the Philox Gumbel noise
   on the fly, so neither K nor P is ever written. The masks are accumulated by a last kernel with a small matrix
@@ -37,7 +38,10 @@ the two backends draw different (equally distributed) noise for the same seed.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -282,18 +286,55 @@ class _Stabilised:
 
 
 def _chunk_size(n: int) -> int:
-    """Samples per chunk of the structured path.
+    """Samples per chunk of the structured path: as many as keep the chunk's float64 K (and its E) within
+    _CHUNK_BYTES, so the matrix-vector products stream them from cache (at N = 784 one sample; larger chunks
+    measured slower, DRAM-bound). Independent of the thread count, so a sample's masks never depend on it."""
+    return max(1, _CHUNK_BYTES // (8 * n * n))
 
-    One thread: as many as keep the chunk's float64 K (and its E) within _CHUNK_BYTES, so the matrix-vector products
-    stream them from cache (at N = 784 one sample; larger chunks measured slower, DRAM-bound). Several threads: at
-    least one sample per thread, so that each batched product splits across threads by sample. A product inside
-    one sample splits it and meets a barrier at every one of the ~4 T products of a step, which stalls whenever
-    another job holds a core (measured 11.6 s against 2.1 s at two threads on a loaded 2-core machine); two samples
-    per thread measured no faster than one (2.86 s vs 2.79 s) and held more memory.
+
+_THREADS_LOCK = threading.Lock()
+_THREADS_USERS = 0
+_THREADS_SAVED = 1
+
+
+@contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """torch's intra-op threads set to one while at least one caller is inside (reference counted: concurrent
+    sorters nest, and the count in force before the first comes back after the last)."""
+    global _THREADS_USERS, _THREADS_SAVED
+    with _THREADS_LOCK:
+        if _THREADS_USERS == 0:
+            _THREADS_SAVED = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _THREADS_USERS += 1
+    try:
+        yield
+    finally:
+        with _THREADS_LOCK:
+            _THREADS_USERS -= 1
+            if _THREADS_USERS == 0:
+                torch.set_num_threads(_THREADS_SAVED)
+
+
+def _for_each_chunk(bsz: int, n: int, device: torch.device, work: Callable[[int, int], None]) -> None:
+    """Run ``work(lo, hi)`` on every chunk of the batch: in turn, or on the CPU with several torch threads, one
+    chunk per worker thread at a time, each worker single-threaded inside.
+
+    Samples, not products, are split between threads: each core then streams its own sample's kernel matrix from
+    its own cache, and nothing waits at a barrier inside a product. Splitting each product across threads instead
+    met ~4 T barriers per sample, which stall whenever another job holds a core (measured 12.4 s against 3.7 s on
+    one thread on a loaded 2-core machine). Chunks are handed out as workers free up, so a descheduled worker
+    delays only its own chunk. Chunks write disjoint slices of the outputs.
     """
-    by_cache = max(1, _CHUNK_BYTES // (8 * n * n))
+    chunks = [(lo, min(bsz, lo + step)) for step in (_chunk_size(n),) for lo in range(0, bsz, step)]
     threads = torch.get_num_threads()
-    return by_cache if threads == 1 else max(by_cache, threads)
+    if device.type != "cpu" or threads <= 1 or len(chunks) <= 1:
+        for lo, hi in chunks:
+            work(lo, hi)
+        return
+    with _one_intra_op_thread(), ThreadPoolExecutor(min(threads, len(chunks))) as pool:
+        for future in [pool.submit(work, lo, hi) for lo, hi in chunks]:
+            future.result()
 
 
 def _structured_forward(
@@ -307,9 +348,8 @@ def _structured_forward(
     vs = torch.empty_like(us)
     masks = torch.empty(bsz, weights.shape[0], n, dtype=torch.float64, device=scores.device)
     work = compute_dtype(scores.dtype)  # the dtype of E
-    step = _chunk_size(n)
-    for lo in range(0, bsz, step):
-        hi = min(bsz, lo + step)
+
+    def chunk(lo: int, hi: int) -> None:
         g = None if seeds is None else noise * gumbel_noise(seeds[lo:hi], n, device=scores.device)
         k = _cost(s64[lo:hi], anchors, g, tau)
         v = torch.zeros(hi - lo, n, dtype=torch.float64, device=scores.device)
@@ -327,6 +367,8 @@ def _structured_forward(
         # P = diag(e^(u - u_ref)) E diag(e^(v - v_ref)); masks are W P, so rows of W are scaled before the product.
         mat.refresh(u, v, force=True)
         masks[lo:hi] = torch.matmul(weights.to(work), mat.e)
+
+    _for_each_chunk(bsz, n, scores.device, chunk)
     return masks, us, vs
 
 
@@ -352,9 +394,8 @@ def _structured_backward(
     gm = grad_masks.to(torch.float64)
     work = compute_dtype(scores.dtype)  # the dtype of E
     grad = torch.zeros(bsz, n, dtype=torch.float64, device=scores.device)
-    step = _chunk_size(n)
-    for lo in range(0, bsz, step):
-        hi = min(bsz, lo + step)
+
+    def chunk(lo: int, hi: int) -> None:
         s = s64[lo:hi]
         g = None if seeds is None else noise * gumbel_noise(seeds[lo:hi], n, device=scores.device)
         k = _cost(s, anchors, g, tau)
@@ -391,6 +432,8 @@ def _structured_backward(
             # u_(t-1) is used only by v_(t-1): its adjoint starts from zero there.
             du = torch.zeros_like(du)
         grad[lo:hi] = acc * (-2.0 / tau)
+
+    _for_each_chunk(bsz, n, scores.device, chunk)
     return grad
 
 

@@ -261,3 +261,40 @@ def test_bad_input_raises(kwargs, message):
     fractions = args.pop("fractions")
     with pytest.raises(ValueError, match=message):
         soft_topk_masks(scores, fractions, **args)
+
+
+def test_the_reference_gives_the_same_masks_and_gradients_with_any_number_of_threads():
+    """Worker threads take whole chunks (kernels.soft_rank._for_each_chunk): a sample's result never depends on the
+    thread count, and the count in force comes back, also when two sorters run at once."""
+    import threading
+
+    n = 64  # 8 x 8 grid: chunks of many samples; the small batch below still spans several chunks at N = 1100
+    results = {}
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for size in (n, 1100):
+                scores = torch.randn(3, size, generator=torch.Generator().manual_seed(size), requires_grad=True)
+                masks = soft_topk_masks(scores, [0.0, 0.3, 1.0], tau=0.5, n_iters=4, generator=7)
+                (grad,) = torch.autograd.grad(masks.square().sum(), scores)
+                results[threads, size] = (masks.detach(), grad)
+            assert torch.get_num_threads() == threads
+        for size in (n, 1100):
+            assert torch.equal(results[1, size][0], results[2, size][0])
+            assert torch.equal(results[1, size][1], results[2, size][1])
+        # Two sorters at once, each in its own thread: the count set before both comes back after both.
+        torch.set_num_threads(2)
+        scores = torch.randn(3, 1100, requires_grad=True)
+
+        def sort() -> None:
+            soft_topk_masks(scores, [0.5], tau=0.5, n_iters=4, generator=1).sum().backward()
+
+        workers = [threading.Thread(target=sort) for _ in range(2)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
