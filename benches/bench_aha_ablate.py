@@ -38,12 +38,10 @@ import torch
 
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.config import grid_rule
-from attr_engine.data.photos import PhotoCropsDataset
-from attr_engine.data.shapes import ShapesDataset
 from attr_engine.evaluate import Leaderboard, evaluate
 from attr_engine.explainer import Explainer, get_explainer
 from attr_engine.report import leaderboard_markdown, write_markdown
-from benches.bench_leaderboard import FULL, PHOTOS_FULL, PHOTOS_QUICK, QUICK, Budget, composite, train
+from benches.bench_leaderboard import FULL, PHOTOS_FULL, PHOTOS_QUICK, QUICK, composite, datasets, train
 
 FAMILIES = ("refs", "targets", "grid", "image", "taps", "steps", "decoder")
 PEERS = ("integrated-gradients", "gradient-x-input", "pullback-soft", "pullback-ascent")
@@ -82,24 +80,15 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 
-def test_data(data: str, budget: Budget, img: int, seed: int, n_test: int):
-    """Held-out images of the leaderboard's test distribution: its test set's first images, then more of them."""
-    if data == "photos":
-        return PhotoCropsDataset(n_test, split="test", img_size=img, seed=seed)
-    return ShapesDataset(n_test, img_size=img, seed=seed + 1000)
-
-
 def run(args: argparse.Namespace) -> Leaderboard:
     budget = (PHOTOS_QUICK if args.quick else PHOTOS_FULL) if args.data == "photos" else (QUICK if args.quick else FULL)
     torch.manual_seed(args.seed)
     classifier, aha, _, acc = train(args.kind, budget, args.seed, print, args.data, args.img, args.cache)
     levels = len(aha.backbone.indices)
     base = AHAConfig(n_fractions=8, targets="pred", seed=args.seed)  # the leaderboard's (bench_leaderboard.train)
-    train_set = (
-        PhotoCropsDataset(budget.n_train, split="train", img_size=args.img, seed=args.seed)
-        if args.data == "photos"
-        else ShapesDataset(budget.n_train, img_size=args.img, seed=args.seed, with_masks=False)
-    )
+    # The leaderboard's train and test sets; --n-test takes more images of the same test distribution.
+    train_set, test_set = datasets(args.data, dataclasses.replace(budget, n_test=args.n_test or budget.n_test),
+                                   args.img, args.seed)  # fmt: skip
     methods: dict[str, Explainer] = {"default": get_explainer("aha", classifier, aha=aha)}
     notes = [f"default: the leaderboard's AHA, {budget.aha_steps} steps of 8, taps {aha.backbone.indices}"]
     for family in args.family:
@@ -129,7 +118,6 @@ def run(args: argparse.Namespace) -> Leaderboard:
     options = {"integrated-gradients": {"n_steps": budget.ig_steps}}
     for name in PEERS:
         methods[name] = get_explainer(name, classifier, **options.get(name, {}))
-    test_set = test_data(args.data, budget, args.img, args.seed, args.n_test or budget.n_test)
     metrics = ["deletion", "insertion"] + ([] if args.data == "photos" else ["energy_pointing_game", "mask_iou"])
     board = evaluate(
         classifier,

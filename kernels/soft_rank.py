@@ -326,7 +326,8 @@ def _for_each_chunk(bsz: int, n: int, device: torch.device, work: Callable[[int,
     one thread on a loaded 2-core machine). Chunks are handed out as workers free up, so a descheduled worker
     delays only its own chunk. Chunks write disjoint slices of the outputs.
     """
-    chunks = [(lo, min(bsz, lo + step)) for step in (_chunk_size(n),) for lo in range(0, bsz, step)]
+    step = _chunk_size(n)
+    chunks = [(lo, min(bsz, lo + step)) for lo in range(0, bsz, step)]
     threads = torch.get_num_threads()
     if device.type != "cpu" or threads <= 1 or len(chunks) <= 1:
         for lo, hi in chunks:

@@ -77,6 +77,7 @@ from timm.models.pvt_v2 import Attention as PvtAttention
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from kernels._tl_helpers import compute_dtype
 from kernels._validate import check_bool, check_positive
 from kernels.soft_gates import DEFAULT_POOL_TAU, DEFAULT_TAU, soft_gate, soft_maxpool2d
 
@@ -245,7 +246,7 @@ def _held_rstd(xd: torch.Tensor, dims: tuple[int, ...], eps: float) -> torch.Ten
     From ``torch.native_layer_norm``, the kernel ``F.layer_norm`` itself runs: on the CPU it is several times faster
     than ``torch.var_mean`` over the last dim (2.7 ms against 0.3 ms per call on the small ViT at batch 64).
     """
-    cd = torch.float64 if xd.dtype == torch.float64 else torch.float32
+    cd = compute_dtype(xd.dtype)
     if dims == (1,):
         t = xd.to(cd).movedim(1, -1)
         _, _, rstd = torch.native_layer_norm(t, (t.shape[-1],), None, None, eps)
@@ -269,16 +270,12 @@ class _HeldStatistics(torch.autograd.Function):
         x: torch.Tensor,
         plain: Callable[[torch.Tensor], torch.Tensor],
         dims: tuple[int, ...],
-        weight: torch.Tensor | None,
+        gamma: torch.Tensor | None,
         eps: float,
     ) -> torch.Tensor:
         exact = plain(x)  # the module's own forward (autograd is off inside a custom function's forward)
         rstd = _held_rstd(x, dims, eps)
-        gamma = None
-        if weight is not None:
-            w = weight.detach().to(rstd.dtype)
-            gamma = w.view((-1,) + (1,) * (x.ndim - 2)) if dims == (1,) else w
-        ctx.save_for_backward(rstd, gamma)
+        ctx.save_for_backward(rstd, None if gamma is None else gamma.to(rstd.dtype))
         ctx.dtype = x.dtype
         return exact
 
@@ -306,11 +303,13 @@ def _soft_layer_norm(
     token): :class:`_HeldStatistics` passes exactly that slope back. Trainable affine parameters keep their true
     gradient (x_hat * grad, grad) through terms that are exactly zero in the forward.
     """
-    y = _HeldStatistics.apply(x, plain, dims, weight, eps)
+    # gamma / beta broadcast against x: trailing dims as they are, or (C,) -> (1, C, 1, ...) for channel norms.
     shape = (-1,) + (1,) * (x.ndim - 2) if dims == (1,) else None
+    gamma = None if weight is None else weight.detach().view(shape) if shape else weight.detach()
+    y = _HeldStatistics.apply(x, plain, dims, gamma, eps)
     if weight is not None and weight.requires_grad:
         xd = x.detach()
-        cd = torch.float64 if xd.dtype == torch.float64 else torch.float32
+        cd = compute_dtype(xd.dtype)
         var, mean = torch.var_mean(xd.to(cd), dim=dims, keepdim=True, correction=0)
         dw = weight - weight.detach()
         y = y + (dw.view(shape) if shape else dw) * ((xd.to(cd) - mean) * (var + eps).rsqrt()).to(x.dtype)
