@@ -134,6 +134,11 @@ def _sizes(args: argparse.Namespace) -> DemoSizes:
     return replace(sizes, num_show=min(sizes.num_show, sizes.num_eval))
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 thread``, ``2 threads``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _clock(seconds: float) -> str:
     minutes, secs = divmod(round(seconds), 60)
     return f"{minutes} min {secs:02d} s" if minutes else f"{secs} s"
@@ -351,7 +356,8 @@ def _write_report(
         "# attr-engine demo report",
         "",
         f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {machine['processor']}, {machine['cpu_count']} "
-        f"CPU(s), torch {machine['torch']} with {machine['torch_threads']} threads, device `{machine['device']}`"
+        f"CPU(s), torch {machine['torch']} with {_count(machine['torch_threads'], 'thread')}, "
+        f"device `{machine['device']}`"
         + (f" ({machine['gpu']})" if "gpu" in machine else "")
         + f". Seed {args.seed}. Total {_clock(results['total_seconds'])}.",
         "",
