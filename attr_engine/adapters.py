@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from attr_engine.classifier import Classifier
-from attr_engine.explainer import _KEEP, Explainer, get_explainer, reduce_channels
+from attr_engine.explainer import _KEEP, Explainer, get_explainer, image_range_check, reduce_channels
 
 __all__ = ["CaptumAdapter", "as_classifier", "quantus_explain_func"]
 
@@ -55,6 +55,11 @@ def quantus_explain_func(method: Explainer | str, **options: Any) -> Any:
     (B, C, H, W) per-channel attribution, as the Semantic Pullback's official evaluation hands Quantus). Quantus'
     own ``device`` is ignored: the method runs on the model's device.
 
+    The images of the first call are checked like any explainer's (one :class:`~attr_engine.explainer.ImageRangeWarning`
+    for 0..255 or normalised images): Quantus explains the ``x_batch`` it was given first. Later calls explain
+    Quantus' perturbations of those images (MaxSensitivity's uniform noise of radius 0.2 reaches 1.2), which are not
+    the caller's images, so they are not checked for range.
+
     Returns:
         float32 numpy attributions, (B, 1, H, W) maps or (B, C, H, W) with ``reduce=None``.
 
@@ -80,6 +85,7 @@ def quantus_explain_func(method: Explainer | str, **options: Any) -> Any:
         explainer = _check_explainer(method)
         name = explainer.name
     defaults = {} if explainer is None else dict(options)
+    calls = [0]  # calls so far: the first explains the caller's images, later ones Quantus' perturbations
 
     def explain_func(model: Any = None, inputs: Any = None, targets: Any = None, **kwargs: Any) -> np.ndarray:
         kwargs.pop("device", None)  # Quantus adds it; the model's own device is the one that works
@@ -96,10 +102,11 @@ def quantus_explain_func(method: Explainer | str, **options: Any) -> Any:
         target = None if targets is None else torch.as_tensor(np.asarray(targets), device=device).long()
         if target is not None and target.ndim == 0:
             target = target.expand(x.shape[0])
-        if reduce is _KEEP or bound.per_channel:
-            maps = bound.attribute(x, target, reduce=reduce, keepdim=True, **call)
-        else:
+        if not (reduce is _KEEP or bound.per_channel):
             raise ValueError(f"{bound.name} gives one value per pixel: it takes no reduce argument")
+        calls[0] += 1
+        with image_range_check(calls[0] == 1):
+            maps = bound.attribute(x, target, reduce=reduce, keepdim=True, **call)
         return maps.cpu().numpy().astype(np.float32, copy=False)
 
     explain_func.__name__ = f"quantus_explain_func[{name}]"

@@ -48,7 +48,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "--threads",
         type=int,
         metavar="N",
-        help="CPU threads torch may use (default: torch's choice, one per core); 1 is fastest on a busy machine",
+        help="CPU threads torch may use (default: one per core, torch's choice; demo: 1); 1 is fastest on a busy "
+        "machine",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands: dict[str, argparse.ArgumentParser] = {}

@@ -192,8 +192,8 @@ def add_classifier_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--model",
         metavar="NAME",
-        help="timm model name (e.g. resnet50.a1_in1k): the architecture of --classifier, or a fresh model "
-        "(with --pretrained: timm's weights, downloaded on first use)",
+        help="model name: timm (e.g. resnet50.a1_in1k), torchvision:<builder> or hf:<repo id or directory>; the "
+        "architecture of --classifier, or a fresh model (with --pretrained: its weights, downloaded on first use)",
     )
     group.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights for --model")
     group.add_argument("--num-classes", type=int, help="number of classes of a --model without checkpoint")

@@ -52,19 +52,26 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
         "pullback-soft, gradient, integrated-gradients",
     )
     p.add_argument("--aha", metavar="DIR", help="trained AHA checkpoint directory")
-    p.add_argument("--refine-steps", type=int, default=0, help="also score AHA with T test-time refinement steps")
+    p.add_argument(
+        "--refine-steps", type=int, default=0, help="also score AHA with T test-time refinement steps (default 0: not)"
+    )
     p.add_argument("--data", default=EMBEDDED, help=f"'{EMBEDDED}' (embedded, with object masks) or an image folder")
-    p.add_argument("--num-images", type=int, default=64, help="images to score")
+    p.add_argument("--num-images", type=int, default=64, help="images to score (default 64)")
     p.add_argument("--img-size", type=int, help="input side (default: the classifier's, else 224)")
     p.add_argument(
         "--metrics",
         default=None,
-        help="comma-separated metrics of attr_engine.evaluate.METRICS; default: deletion, insertion (and the "
-        "pointing games when the data has masks)",
+        help="comma-separated metrics: deletion, insertion, pos, neg, infidelity, infidelity_quantus, "
+        "max_sensitivity, random_logit, random_logit_ssim, pointing_game, energy_pointing_game, mask_iou (the last "
+        "three need the embedded data's masks); default: deletion, insertion and, with masks, the pointing games",
     )
-    p.add_argument("--target", choices=("pred", "label"), default="pred", help="class explained and scored")
-    p.add_argument("--batch-size", type=int, default=16, help="images per explainer call")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--target", choices=("pred", "label"), default="pred", help="class explained and scored (default pred)"
+    )
+    p.add_argument("--batch-size", type=int, default=16, help="images per explainer call (default 16)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the data, a fresh model and the random metrics (default 0)"
+    )
     p.add_argument("--out", help="directory for the report files")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_device_arg(p)

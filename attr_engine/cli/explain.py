@@ -105,7 +105,7 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
         help="class to explain: pred (the predicted class, default), label (the ImageFolder class), or an index",
     )
     _add_output_args(p)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="images per explainer call (default 16)")
     p.add_argument("--img-size", type=int, help="input side (default: the classifier's, else 224)")
     p.add_argument(
         "--crop-pct",
@@ -118,9 +118,14 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
         action="store_true",
         help="write maps at the classifier's input size (the cropped square) instead of the image's frame",
     )
-    p.add_argument("--workers", type=int, default=0, help="image-decoding worker processes")
     p.add_argument(
-        "--seed", type=int, default=0, help="seeds torch's RNG and AHA refinement (rise, smoothgrad: --option seed=N)"
+        "--workers", type=int, default=0, help="image-decoding worker processes (default 0: in this process)"
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds torch's RNG and AHA refinement (default 0; rise, smoothgrad: --option seed=N)",
     )
     p.add_argument("--overwrite", action="store_true", help="redo maps that already exist")
     p.add_argument("--limit", type=int, help="make at most this many new maps in this run (chunked runs)")
