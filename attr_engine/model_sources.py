@@ -235,11 +235,15 @@ class HFImageClassifier(nn.Module):
         """x: (B, 3, H, W) -> the model's hidden states: the embeddings, then one per layer or stage, each
         (B, N, D) tokens (transformers) or (B, C, h, w) maps (CNNs, and hierarchical transformers such as Swin,
         whose ``reshaped_hidden_states`` are taken: their stages' tokens lie on grids coarser than the patches)."""
+        return self.logits_and_hidden_states(x)[1]
+
+    def logits_and_hidden_states(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """x: (B, 3, H, W) -> ((B, K) logits, :meth:`hidden_states`), both from one pass of the model."""
         out = self._call(x, output_hidden_states=True)
         states = getattr(out, "reshaped_hidden_states", None) or getattr(out, "hidden_states", None)
         if not states:
             raise ValueError(f"{type(self.hf).__name__} returns no hidden_states")
-        return tuple(states)
+        return (out.logits if hasattr(out, "logits") else out[0]), tuple(states)
 
 
 def _hf_processor_cfg(processor: Any, ident: str, img_size: int | None) -> dict[str, Any]:

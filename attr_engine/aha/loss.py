@@ -85,7 +85,10 @@ def standardise(values: torch.Tensor, dim: int | tuple[int, ...], scale: float =
     """``values`` shifted to mean 0 and scaled to (population) standard deviation ``scale`` along ``dim``."""
     centred = values - values.mean(dim=dim, keepdim=True)
     # rsqrt(var + eps): finite values and gradients for a constant input (std 0: all zeros), unlike dividing by std().
-    return scale * centred * torch.rsqrt(centred.square().mean(dim=dim, keepdim=True) + 1e-12)
+    inv_std = torch.rsqrt(centred.square().mean(dim=dim, keepdim=True) + 1e-12)
+    # No multiply by a Python 1.0 (exact, so the values are the same): an exported graph would carry it as a constant
+    # Mul, which onnxruntime's optimiser mishandles in graphs from the legacy exporter (microsoft/onnxruntime#32413).
+    return centred * inv_std if scale == 1.0 else scale * centred * inv_std
 
 
 def target_probabilities(
