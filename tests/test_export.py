@@ -153,9 +153,14 @@ def test_a_failed_export_leaves_no_file(timm_cnn, tmp_path, monkeypatch) -> None
         raise RuntimeError("conversion failed")
 
     monkeypatch.setattr(torch.onnx, "export", broken)
+    aha = _aha(timm_cnn)
+    aha.decoder.train()  # mid-training, say: tracing runs in eval mode and gives the mode back
+    state = torch.random.get_rng_state()
     with pytest.raises(RuntimeError, match="conversion failed"):
-        _aha(timm_cnn).export(out)
+        aha.export(out)
     assert list(tmp_path.iterdir()) == []
+    assert aha.decoder.training and all(m.training for m in aha.decoder.modules())
+    assert torch.equal(torch.random.get_rng_state(), state)  # the example images came from a generator of its own
 
 
 # ---------------------------------------------------------------------------------------------------------------
