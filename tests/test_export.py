@@ -95,6 +95,8 @@ def test_the_target_input_picks_the_class_per_image(exported) -> None:
     np.testing.assert_allclose(maps, eager, rtol=0, atol=MAP_ATOL)
     other = aha.attribute(x, target=[(c + 1) % 5 for c in classes]).numpy()
     assert np.abs(maps - other).max() > 100 * MAP_ATOL  # the class does change the map: the test can fail
+    with pytest.raises(Exception, match="out of data bounds"):  # nothing in the graph checks values: the runtime does
+        _run(session, x[:1], [5])
 
 
 def test_the_metadata_travels_in_the_file(exported) -> None:

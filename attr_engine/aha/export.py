@@ -11,8 +11,8 @@ The artifact maps images to the prediction and its map in one graph, so a runtim
 One graph per input size: the decoder's Python (levels ordered by size, the count of x2 upsampling steps) and the
 ViTs' patch grids are resolved for that size when tracing; the batch stays dynamic. Nothing in the graph reads
 values: the checks :meth:`~attr_engine.aha.model.AHA.attribute` makes (finite images, targets in range) are the
-caller's, and a target outside ``[-1, K)`` is an index error of the runtime. Refinement (an optimiser per request)
-and other methods than AHA have no such graph and are refused.
+caller's: any negative target means the predicted class, and one >= K is an index error of the runtime.
+Refinement (an optimiser per request) and other methods than AHA have no such graph and are refused.
 
 The artifact carries its metadata: in ONNX ``metadata_props``, in a ``.pt2`` the AOTInductor package's metadata
 (``torch._inductor.aoti_load_package(path).get_metadata()``); see :func:`export_metadata`.
