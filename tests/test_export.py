@@ -95,6 +95,8 @@ def test_the_target_input_picks_the_class_per_image(exported) -> None:
     np.testing.assert_allclose(maps, eager, rtol=0, atol=MAP_ATOL)
     other = aha.attribute(x, target=[(c + 1) % 5 for c in classes]).numpy()
     assert np.abs(maps - other).max() > 100 * MAP_ATOL  # the class does change the map: the test can fail
+    with pytest.raises(Exception, match="out of data bounds"):  # nothing in the graph checks values: the runtime does
+        _run(session, x[:1], [5])
 
 
 def test_the_metadata_travels_in_the_file(exported) -> None:
@@ -153,9 +155,14 @@ def test_a_failed_export_leaves_no_file(timm_cnn, tmp_path, monkeypatch) -> None
         raise RuntimeError("conversion failed")
 
     monkeypatch.setattr(torch.onnx, "export", broken)
+    aha = _aha(timm_cnn)
+    aha.decoder.train()  # mid-training, say: tracing runs in eval mode and gives the mode back
+    state = torch.random.get_rng_state()
     with pytest.raises(RuntimeError, match="conversion failed"):
-        _aha(timm_cnn).export(out)
+        aha.export(out)
     assert list(tmp_path.iterdir()) == []
+    assert aha.decoder.training and all(m.training for m in aha.decoder.modules())
+    assert torch.equal(torch.random.get_rng_state(), state)  # the example images came from a generator of its own
 
 
 # ---------------------------------------------------------------------------------------------------------------

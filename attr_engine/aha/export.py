@@ -11,8 +11,8 @@ The artifact maps images to the prediction and its map in one graph, so a runtim
 One graph per input size: the decoder's Python (levels ordered by size, the count of x2 upsampling steps) and the
 ViTs' patch grids are resolved for that size when tracing; the batch stays dynamic. Nothing in the graph reads
 values: the checks :meth:`~attr_engine.aha.model.AHA.attribute` makes (finite images, targets in range) are the
-caller's, and a target outside ``[-1, K)`` is an index error of the runtime. Refinement (an optimiser per request)
-and other methods than AHA have no such graph and are refused.
+caller's: any negative target means the predicted class, and one >= K is an index error of the runtime.
+Refinement (an optimiser per request) and other methods than AHA have no such graph and are refused.
 
 The artifact carries its metadata: in ONNX ``metadata_props``, in a ``.pt2`` the AOTInductor package's metadata
 (``torch._inductor.aoti_load_package(path).get_metadata()``); see :func:`export_metadata`.
@@ -36,7 +36,7 @@ from attr_engine.aha.loss import standardise
 from attr_engine.aha.network import Decoder, FeatureBackbone
 from attr_engine.aha.persistence import classifier_fingerprint
 from attr_engine.checkpoint import atomic_write
-from attr_engine.classifier import Classifier
+from attr_engine.classifier import Classifier, eval_mode
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -223,13 +223,16 @@ def export(
         optional_import("onnx", _MISSING_ONNX)
         optional_import("onnxscript", _MISSING_ONNX)
     meta = export_metadata(explainer, size, class_names)
-    module = ServingModule(explainer).eval()
+    module = ServingModule(explainer)
     device = explainer.classifier.norm_mean.device
-    # Batch 2 when tracing: a batch of 1 would let the tracer specialise every size-1 broadcast to the batch.
-    example = (torch.rand(2, 3, size, size, device=device), torch.full((2,), -1, dtype=torch.long, device=device))
+    # Batch 2 when tracing: a batch of 1 would let the tracer specialise every size-1 broadcast to the batch. Drawn
+    # from a generator of its own, so exporting leaves the caller's random state alone.
+    images = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(0)).to(device)
+    example = (images, torch.full((2,), -1, dtype=torch.long, device=device))
     batch = torch.export.Dim("batch", min=1, max=4096)
     dynamic = {"images": {0: batch}, "target": {0: batch}}
-    with torch.no_grad():
+    # Traced in eval mode (batch-norm statistics, no dropout); every module's own mode comes back afterwards.
+    with eval_mode(module), torch.no_grad():
         program = torch.export.export(module, example, dynamic_shapes=dynamic, strict=False)
     if fmt == "onnx":
         _write_onnx(program, target, meta)
