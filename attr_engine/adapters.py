@@ -16,7 +16,14 @@ import torch
 from torch import nn
 
 from attr_engine.classifier import Classifier
-from attr_engine.explainer import _KEEP, Explainer, get_explainer, image_range_check, reduce_channels
+from attr_engine.explainer import (
+    _KEEP,
+    PERTURBATION_ALLOWANCE,
+    Explainer,
+    get_explainer,
+    image_range_check,
+    reduce_channels,
+)
 
 __all__ = ["CaptumAdapter", "as_classifier", "quantus_explain_func"]
 
@@ -55,10 +62,10 @@ def quantus_explain_func(method: Explainer | str, **options: Any) -> Any:
     (B, C, H, W) per-channel attribution, as the Semantic Pullback's official evaluation hands Quantus). Quantus'
     own ``device`` is ignored: the method runs on the model's device.
 
-    The images of the first call are checked like any explainer's (one :class:`~attr_engine.explainer.ImageRangeWarning`
-    for 0..255 or normalised images): Quantus explains the ``x_batch`` it was given first. Later calls explain
-    Quantus' perturbations of those images (MaxSensitivity's uniform noise of radius 0.2 reaches 1.2), which are not
-    the caller's images, so they are not checked for range.
+    Quantus explains noisy copies of the caller's images (MaxSensitivity's uniform noise of radius 0.2 reaches 1.2),
+    so the range check (:class:`~attr_engine.explainer.ImageRangeWarning`) allows
+    :data:`~attr_engine.explainer.PERTURBATION_ALLOWANCE` beyond [0, 1] on either side here: 0..255 pixels and
+    normalised images still warn, the noise of a perturbation does not.
 
     Returns:
         float32 numpy attributions, (B, 1, H, W) maps or (B, C, H, W) with ``reduce=None``.
@@ -85,7 +92,6 @@ def quantus_explain_func(method: Explainer | str, **options: Any) -> Any:
         explainer = _check_explainer(method)
         name = explainer.name
     defaults = {} if explainer is None else dict(options)
-    calls = [0]  # calls so far: the first explains the caller's images, later ones Quantus' perturbations
 
     def explain_func(model: Any = None, inputs: Any = None, targets: Any = None, **kwargs: Any) -> np.ndarray:
         kwargs.pop("device", None)  # Quantus adds it; the model's own device is the one that works
@@ -104,8 +110,7 @@ def quantus_explain_func(method: Explainer | str, **options: Any) -> Any:
             target = target.expand(x.shape[0])
         if not (reduce is _KEEP or bound.per_channel):
             raise ValueError(f"{bound.name} gives one value per pixel: it takes no reduce argument")
-        calls[0] += 1
-        with image_range_check(calls[0] == 1):
+        with image_range_check(PERTURBATION_ALLOWANCE):
             maps = bound.attribute(x, target, reduce=reduce, keepdim=True, **call)
         return maps.cpu().numpy().astype(np.float32, copy=False)
 

@@ -44,6 +44,7 @@ from kernels._validate import check_tensor
 __all__ = [
     "ENTRY_POINT_GROUP",
     "NONFINITE_MAP",
+    "PERTURBATION_ALLOWANCE",
     "REDUCTIONS",
     "Explainer",
     "ExplainerSpec",
@@ -314,42 +315,55 @@ def _kind(value: Any) -> str:
 # (max about 2.6) do not.
 RANGE_WARNING_ABOVE = 1.1
 _range_warned = False  # warned once per process: a run over a folder of such images says it once, not per batch
-# False while explaining images a caller derived from checked ones (Quantus' perturbations of its x_batch): their
-# noise may overshoot 1 by more than any tolerance that still catches normalised images, and they are not the user's.
-_range_check: contextvars.ContextVar[bool] = contextvars.ContextVar("attr_engine_range_check", default=True)
+# How far images may leave [0, 1] without a warning beyond RANGE_WARNING_ABOVE's margin: 0 for a caller's images;
+# more while explaining noisy copies of them (Quantus' perturbations), which also warn below zero then.
+_range_allowance: contextvars.ContextVar[float] = contextvars.ContextVar("attr_engine_range_allowance", default=0.0)
+
+# Quantus' perturbations of [0, 1] images: MaxSensitivity's and AvgSensitivity's uniform noise of radius 0.2 and
+# LocalLipschitzEstimate's Gaussian of std 0.1 (about 0.5 at the extreme of a 224 px image) stay well inside this;
+# 0..255 pixels do not, nor normalised images (about -2.1 to 2.6 for ImageNet statistics) with their darkest or
+# brightest pixels.
+PERTURBATION_ALLOWANCE = 1.0
 
 
 @contextlib.contextmanager
-def image_range_check(enabled: bool) -> Iterator[None]:
-    """Turn the :class:`ImageRangeWarning` check on or off for the explainer calls inside the block (this thread
-    or task only). :func:`~attr_engine.adapters.quantus_explain_func` turns it off for the perturbed copies Quantus
-    explains after the images it was given."""
-    token = _range_check.set(bool(enabled))
+def image_range_check(allowance: float) -> Iterator[None]:
+    """Widen the :class:`ImageRangeWarning` check by ``allowance`` for the explainer calls inside the block (this
+    thread or task only): images then warn above ``1.1 + allowance`` or below ``-0.1 - allowance``.
+    :func:`~attr_engine.adapters.quantus_explain_func` explains Quantus' noisy copies of the caller's images with
+    :data:`PERTURBATION_ALLOWANCE`."""
+    if not allowance >= 0:
+        raise ValueError(f"allowance must be >= 0, got {allowance}")
+    token = _range_allowance.set(float(allowance))
     try:
         yield
     finally:
-        _range_check.reset(token)
+        _range_allowance.reset(token)
 
 
 def _check_values(x: torch.Tensor) -> None:
     """Refuse NaN / inf in the images and, the first time in a process, warn when their maximum says they are not
     in [0, 1]: a [0, 255] image is not an error to the classifier (it normalises whatever it gets), so without a
-    word the maps would explain a saturated image. Both come from one transfer to the host."""
+    word the maps would explain a saturated image. One transfer to the host for all of it. Inside
+    :func:`image_range_check` the bounds widen and the minimum is checked too (a noisy copy is not exact)."""
     global _range_warned
     if x.numel() == 0:
         return
-    if _range_warned or not _range_check.get():
-        finite = bool(torch.isfinite(x).all())
-        peak = 0.0
+    allowance = _range_allowance.get()
+    if _range_warned:
+        finite, peak, low = bool(torch.isfinite(x).all()), 0.0, 0.0
     else:
-        both = torch.stack([torch.isfinite(x).all().to(torch.float32), x.detach().amax().float()]).tolist()
-        finite, peak = bool(both[0]), float(both[1])
+        probe = x.detach()
+        stats = torch.stack([torch.isfinite(probe).all().float(), probe.amax().float(), probe.amin().float()])
+        finite, peak, low = bool(stats[0]), *(float(v) for v in stats[1:].tolist())
     if not finite:
         raise ValueError("x contains NaN or infinite values")
-    if peak > RANGE_WARNING_ABOVE:
+    below = allowance > 0 and low < 1 - RANGE_WARNING_ABOVE - allowance
+    if peak > RANGE_WARNING_ABOVE + allowance or below:
         _range_warned = True
+        reach = f"go down to {low:g}" if below else f"reach {peak:g}"
         warnings.warn(
-            f"the images reach {peak:g}, but explainers take float images in [0, 1] (divide 0..255 pixels by 255; "
+            f"the images {reach}, but explainers take float images in [0, 1] (divide 0..255 pixels by 255; "
             "do not normalise them, the classifier does): their maps explain saturated images",
             ImageRangeWarning,
             stacklevel=3,

@@ -73,7 +73,8 @@ def test_the_captum_adapter_takes_captums_order_too() -> None:
 
 def test_no_range_warning_under_quantus_max_sensitivity(monkeypatch: pytest.MonkeyPatch) -> None:
     """MaxSensitivity's own uniform noise (radius 0.2) pushes [0, 1] images to 1.2: no ImageRangeWarning for
-    those; the caller's own 0..255 images still get it."""
+    those, with or without a precomputed a_batch (then Quantus' first call is already perturbed); 0..255 and
+    normalised images handed to Quantus still get it."""
     import quantus
 
     monkeypatch.setattr(registry, "_range_warned", False)
@@ -90,11 +91,16 @@ def test_no_range_warning_under_quantus_max_sensitivity(monkeypatch: pytest.Monk
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", registry.ImageRangeWarning)
-        scores = metric(model=clf, x_batch=x.numpy(), y_batch=y.numpy(), explain_func=spy, device="cpu")
-    assert len(scores) == 4 and max(seen) > registry.RANGE_WARNING_ABOVE  # the noise did overshoot
-    g = quantus_explain_func(get_explainer("saliency", clf))
-    with pytest.warns(registry.ImageRangeWarning, match="the images reach"):
-        g(clf, (x * 255).numpy(), y.numpy())
+        for a_batch in (None, f(clf, x.numpy(), y.numpy())):
+            scores = metric(model=clf, x_batch=x.numpy(), y_batch=y.numpy(), a_batch=a_batch, explain_func=spy)
+            assert len(scores) == 4
+    assert max(seen) > registry.RANGE_WARNING_ABOVE  # the noise did overshoot
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    dark = images(4, 16) * 0.5  # normalised, its brightest pixels (0.4) pass; its darkest (-2.1) do not
+    for wrong, message in ((x * 255, "reach 2"), ((dark - mean[:, None, None]) / std[:, None, None], "go down to -")):
+        monkeypatch.setattr(registry, "_range_warned", False)
+        with pytest.warns(registry.ImageRangeWarning, match=f"the images {message}"):
+            f(clf, wrong.numpy(), y.numpy())
 
 
 # ---------------------------------------------------------------------------------------------------------------
