@@ -14,6 +14,7 @@ from attr_engine.cli._common import (
     add_classifier_args,
     add_device_arg,
     build_explainer,
+    check_cost,
     check_writable_dir,
     load_classifier_args,
     resolve_device,
@@ -201,6 +202,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     methods: dict[str, Any] = {}
     for name in names:
         methods[name] = build_explainer(name, classifier, aha_dir=args.aha, seed=args.seed)
+        check_cost(methods[name], img_size, args.max_cost, name)
         if resolve_method(name) == "aha" and args.refine_steps:
             methods[f"aha (T={args.refine_steps})"] = build_explainer(
                 name, classifier, aha_dir=args.aha, refine_steps=args.refine_steps, seed=args.seed
