@@ -249,7 +249,8 @@ def load_classifier_args(
     try:
         classifier = build_classifier(job, device)
     except FileNotFoundError as err:
-        raise UsageError(str(err)) from None
+        hub = args.model is not None and is_hub_name(args.model)
+        raise UsageError(f"cannot load {args.model!r} from the hub: {err}" if hub else str(err)) from None
     check_input_side(classifier, img_size or (classifier.input_size[1] if classifier.input_size else 224))
     return classifier
 
