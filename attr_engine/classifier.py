@@ -349,6 +349,7 @@ class Classifier(nn.Module):
             check_tensor(x, "x", ndim=4, finite=finite)
             if x.shape[1] != 3:
                 raise ValueError(f"x must be RGB images (B, 3, H, W), got {x.shape[1]} channels: {tuple(x.shape)}")
+            _check_patch_grid(self._model, x)
         dtype = input_dtype(self._model)
         if dtype is not None and x.dtype != dtype:
             x = x.to(dtype)  # differentiable: the input gradient comes back in the caller's dtype
@@ -359,6 +360,25 @@ class Classifier(nn.Module):
 
     def extra_repr(self) -> str:
         return f"mean={self.mean}, std={self.std}, input_size={self._input_size}"
+
+
+def _check_patch_grid(model: nn.Module, x: torch.Tensor) -> None:
+    """A ValueError naming the size a timm ViT takes, where its patch embedding would assert on ``x`` (B, 3, H, W):
+    a model built for a fixed size (``strict_img_size``) takes that size only, others a multiple of the patch."""
+    embed = getattr(model, "patch_embed", None)
+    size, patch = getattr(embed, "img_size", None), getattr(embed, "patch_size", None)
+    if size is None or patch is None:
+        return  # no timm patch embedding, or a dynamic one
+    got = tuple(x.shape[-2:])
+    if getattr(embed, "strict_img_size", False) and got != tuple(size):
+        raise ValueError(
+            f"x is {got[0]} x {got[1]} but this ViT takes {size[0]} x {size[1]} images (its patch grid is fixed); "
+            f"resize the images, or build the model with img_size={got[0]}"
+        )
+    if not getattr(embed, "dynamic_img_pad", True) and (got[0] % patch[0] or got[1] % patch[1]):
+        raise ValueError(
+            f"x is {got[0]} x {got[1]}: this ViT takes sides that are multiples of its {patch[0]} px patches"
+        )
 
 
 def _unknown_model_error(name: str) -> ValueError:

@@ -54,6 +54,11 @@ _SUPPLIED = {"self", "model", "target_layers", "reshape_transform"}
 _CALL_OPTIONS: dict[str, Any] = {"aug_smooth": False, "eigen_smooth": False}
 # ScoreCAM reads ``self.batch_size`` if set (16 otherwise): an option here, as AblationCAM's constructor has one.
 _SCORECAM_BATCH = 16
+# Options whose documented range the library does not check: (low, high, as the docs write it); low excluded.
+_DOCUMENTED_RANGES = {
+    "ratio_channels_to_ablate": (0.0, 1.0, "(0, 1] (the fraction of the layer's channels AblationCAM ablates)"),
+    "k": (0.0, float("inf"), "(0, inf) (FEM's multiple of the standard deviation)"),
+}
 
 
 def gradcam_class(name: str) -> type[Any]:
@@ -149,6 +154,7 @@ class GradCamMethod(Explainer):
         model = getattr(classifier, "model", classifier)
         module = find_layer(classifier, layer) if isinstance(layer, str) else layer
         self._layer_name = layer_name(classifier, module if module is not None else cam_layer(model))
+        self._check_constructor()
 
     def _check_options(self, options: dict[str, Any]) -> None:
         missing = [k for k, v in options.items() if v is inspect.Parameter.empty]
@@ -157,6 +163,25 @@ class GradCamMethod(Explainer):
         size = options.get("batch_size")  # an int (or None) by now: its type was checked with the others
         if isinstance(size, int) and size < 1:
             raise ValueError(f"{self.name} option 'batch_size' must be at least 1, got {size}")
+        # The documented ranges the library's constructors leave unchecked (out of range they run, with NumPy
+        # warnings and meaningless maps).
+        for key, (low, high, shown) in _DOCUMENTED_RANGES.items():
+            value = options.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool) and not low < value <= high:
+                raise ValueError(f"{self.name} option {key!r} must be in {shown}, got {value!r}")
+
+    def _check_constructor(self) -> None:
+        """Build the library's object once with the options, so that its own argument checks (SESS's ``pool``,
+        ``num_scales``, ...) refuse a bad value when the method is built, not at its first map; its hooks come off
+        at once."""
+        try:
+            cam = self.cam_cls(model=self.classifier, target_layers=[self.layer], **self._init_options(self.defaults,
+                               vit=False))  # fmt: skip
+        except (TypeError, AssertionError) as err:
+            raise ValueError(f"{self.name}: {err}") from None
+        hooks = getattr(cam, "activations_and_grads", None)
+        if hooks is not None:
+            hooks.release()
 
     @property
     def layer(self) -> nn.Module:

@@ -723,14 +723,18 @@ class MDA(Explainer):
         options["prior"] = resolve_explainer(prior) if ":" not in prior else prior
         if options["prior"] == self.name:
             raise ValueError("MDA's prior cannot be MDA itself")
+        # Built now, so a prior that does not apply to this model (legrad on a CNN) is refused with the options,
+        # when the method is built, not at its first map.
+        self.prior_explainer(options["prior"])
 
-    def _prior(self, name: str) -> Explainer:
+    def prior_explainer(self, name: str) -> Explainer:
+        """The prior method ``name`` for this classifier, built once."""
         if name not in self._priors:
             self._priors[name] = get_explainer(name, self.classifier)
         return self._priors[name]
 
     def _needs_grad(self, options: Any) -> bool:
-        prior = self._prior(options["prior"])
+        prior = self.prior_explainer(options["prior"])
         return prior._needs_grad(prior.defaults)
 
     def _attribute(self, x: torch.Tensor, target: torch.Tensor, **options: Any) -> torch.Tensor:
@@ -741,6 +745,6 @@ class MDA(Explainer):
             raise ValueError(f"grid {options['grid']} has more cells per side than the {height} x {width} image")
         cells = grid[0] * grid[1]
         window = search_window(cells) if options["window"] is None else min(options["window"], cells)
-        prior_map = self._prior(options["prior"]).attribute(x, target)
+        prior_map = self.prior_explainer(options["prior"]).attribute(x, target)
         with torch.no_grad():
             return _mda_maps(_check_classifier(self.classifier), x, target, prior_map, grid, window, options)

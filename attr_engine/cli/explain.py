@@ -55,6 +55,7 @@ from attr_engine.cli._common import (
     add_classifier_args,
     add_device_arg,
     build_explainer,
+    check_cost,
     check_writable_dir,
     load_classifier_args,
     parse_key_values,
@@ -342,6 +343,7 @@ def _build_job(args: argparse.Namespace, stack: contextlib.ExitStack) -> _Run:
     explainer = build_explainer(
         method, classifier, aha_dir=args.aha, refine_steps=args.refine_steps, seed=args.seed, options=options
     )
+    check_cost(explainer, img_size, args.max_cost, method)
     num_classes = classifier.num_classes
     if args.target not in ("pred", "label") and not 0 <= int(args.target) < num_classes:
         raise UsageError(f"--target {args.target} is not a class of this classifier (0 to {num_classes - 1})")
