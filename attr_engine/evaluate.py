@@ -34,8 +34,8 @@ Metric settings can be overridden per metric: ``metrics={"infidelity": {"n_sampl
 
 from __future__ import annotations
 
-import os
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
