@@ -23,6 +23,7 @@ from torch import nn
 
 from attr_engine.checkpoint import check_state_shapes, load_safetensors, save_safetensors
 from attr_engine.model_sources import (
+    as_hf_adapter,
     build_torchvision,
     check_torchvision_name,
     is_hf_classifier,
@@ -204,7 +205,8 @@ class Classifier(nn.Module):
 
     Args:
         model: any classifier mapping normalised ``(B, 3, H, W)`` images to ``(B, K)`` logits. It is frozen *in
-            place* (``requires_grad_(False)``, eval mode).
+            place* (``requires_grad_(False)``, eval mode). A transformers ``*ForImageClassification`` model is
+            wrapped in :class:`~attr_engine.model_sources.HFImageClassifier` first (``.model`` is the wrapper).
         mean, std: per-channel normalisation. ``None`` takes them from ``model.pretrained_cfg`` (timm models);
             for other models they must be given (pass ``(0, 0, 0)`` / ``(1, 1, 1)`` for models trained on raw
             [0, 1] pixels).
@@ -244,6 +246,7 @@ class Classifier(nn.Module):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        model = as_hf_adapter(model)  # a raw transformers image classifier: pixel_values in, an output object out
         cfg = getattr(model, "pretrained_cfg", None) or {}
         if mean is None:
             mean = cfg.get("mean")
