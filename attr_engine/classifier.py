@@ -34,12 +34,14 @@ from attr_engine.model_sources import (
 from kernels._validate import check_int_at_least, check_tensor
 
 __all__ = [
+    "CPU_PIXELS_PER_CALL",
     "MAX_FILE_IMG_SIZE",
     "Classifier",
     "check_device",
     "check_model_name",
     "eval_mode",
     "file_int",
+    "images_per_call",
     "input_dtype",
     "is_external_name",
     "load_classifier",
@@ -168,6 +170,24 @@ def input_dtype(model: nn.Module) -> torch.dtype | None:
             if t.is_floating_point():
                 return t.dtype
     return None
+
+
+# The most pixels one differentiated classifier call takes on a CPU: 32 images of 224 x 224. Its activations (and
+# those kept for the backward) grow with the pixels of the call, and the methods that batch many variants of an
+# image (Integrated Gradients' path points, AHA's blends) would otherwise hold gigabytes at 224 px
+# (benches/README.md, "Memory on a CPU").
+CPU_PIXELS_PER_CALL = 32 * 224 * 224
+
+
+def images_per_call(height: int, width: int, device: torch.device | str) -> int | None:
+    """How many (3, ``height``, ``width``) images one differentiated classifier call should take on ``device``.
+
+    On a CPU, as many as fit in :data:`CPU_PIXELS_PER_CALL` pixels (at least one), so host memory stays bounded
+    whatever the image size; None (no limit) on accelerators, whose callers keep their own batching.
+    """
+    if torch.device(device).type != "cpu":
+        return None
+    return max(1, CPU_PIXELS_PER_CALL // max(1, int(height) * int(width)))
 
 
 def model_device(model: nn.Module) -> torch.device | None:
