@@ -35,16 +35,11 @@ REFUSED = {
     ("attention-rollout", "hf_vit"): "does not apply",
     ("legrad", "timm_cnn"): "does not apply",
     ("legrad", "tv_resnet"): "does not apply",
-    ("legrad", "tv_vit"): "does not apply",
-    ("legrad", "hf_vit"): "does not apply",
-    ("grad-cam", "tv_vit"): "does not apply",
-    ("grad-cam", "hf_vit"): "does not apply",
     ("guided-grad-cam", "timm_vit"): "does not apply",
     ("guided-grad-cam", "tv_resnet"): "does not apply",
     ("guided-grad-cam", "tv_vit"): "does not apply",
     ("guided-grad-cam", "hf_vit"): "does not apply",
     ("deeplift", "tv_resnet"): "used more than once",
-    ("gradcam:GradCAM", "hf_vit"): "cannot find the last feature stage",
 }
 
 
