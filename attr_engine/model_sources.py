@@ -37,6 +37,7 @@ __all__ = [
     "IMAGENET_STD",
     "TORCHVISION_PREFIX",
     "HFImageClassifier",
+    "as_hf_adapter",
     "build_torchvision",
     "check_torchvision_name",
     "import_transformers",
@@ -189,6 +190,32 @@ def import_transformers() -> ModuleType:
 def is_hf_classifier(model: nn.Module) -> bool:
     """Whether ``model`` is the :class:`HFImageClassifier` adapter (``Classifier.model`` of an ``hf:`` model)."""
     return isinstance(model, HFImageClassifier)
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel``, read from its class ancestry (no import)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(model).mro())
+
+
+def as_hf_adapter(model: nn.Module) -> nn.Module:
+    """``model`` itself, or a raw transformers image classifier wrapped in :class:`HFImageClassifier`.
+
+    A transformers model takes ``pixel_values`` and returns an output object (its logits in ``.logits``), so it
+    cannot be called as a logits module; ``*ForImageClassification`` models (ViT, DeiT, BEiT, ConvNeXt, Swin, ...:
+    transformers' naming for the image-classification heads) are wrapped. Any other transformers model
+    (``ViTModel``, a text model) has no class logits to explain.
+
+    Raises:
+        ValueError: a transformers model that is not an image classifier, in one line naming HFImageClassifier.
+    """
+    if not _is_transformers_model(model) or isinstance(model, HFImageClassifier):
+        return model
+    if "ForImageClassification" not in type(model).__name__:
+        raise ValueError(
+            f"{type(model).__name__} is a transformers model without an image-classification head; Classifier "
+            "wraps *ForImageClassification models in HFImageClassifier (AutoModelForImageClassification)"
+        )
+    return HFImageClassifier(model)
 
 
 class HFImageClassifier(nn.Module):

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import kernels
-from attr_engine.classifier import Classifier
+from attr_engine.classifier import Classifier, images_per_call
 
 
 @dataclass
@@ -102,6 +103,62 @@ def target_probabilities(
     return probs.gather(2, target.view(bsz, 1, 1).expand(bsz, steps, 1))[..., 0]
 
 
+def blend_probabilities(
+    classifier: Classifier,
+    x: torch.Tensor,
+    reference: torch.Tensor,
+    masks: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    offset: tuple[float, float],
+    mask_sigma: float,
+    amp: bool = False,
+) -> torch.Tensor:
+    """The target probability of each blend ``x + up(m) * (reference - x)``: (B, S) for masks (B, S, g, g).
+
+    x, reference: (B, C, H, W); target: (B,). The B x S blends go through the classifier in groups of at most
+    :func:`~attr_engine.classifier.images_per_call` (on a CPU; all at once elsewhere), each group recomputed in the
+    backward instead of keeping its activations (``torch.utils.checkpoint``): a training step at 224 px would
+    otherwise hold every blend's activations at once. Each blend is computed on its own (per image and fraction),
+    so the grouping changes neither the probabilities nor their gradients (up to float rounding); it costs one
+    more classifier forward per group in the backward, and only where the blends exceed the limit.
+    """
+    bsz, steps = masks.shape[:2]
+    per_call = images_per_call(x.shape[-2], x.shape[-1], x.device)
+    if per_call is None or per_call >= bsz * steps:
+        return _blend_group(classifier, x, reference, masks, target, offset, mask_sigma, amp)
+    # Whole curves per group where one fits, else pieces of one curve.
+    rows, cols = (per_call // steps, steps) if per_call >= steps else (1, per_call)
+    recompute = torch.is_grad_enabled() and masks.requires_grad
+    curves = []
+    for b in range(0, bsz, rows):
+        pieces = []
+        for s in range(0, steps, cols):
+            args = (x[b : b + rows], reference[b : b + rows], masks[b : b + rows, s : s + cols], target[b : b + rows])
+            extra = (offset, mask_sigma, amp)
+            if recompute:
+                pieces.append(checkpoint(_blend_group, classifier, *args, *extra, use_reentrant=False))
+            else:
+                pieces.append(_blend_group(classifier, *args, *extra))
+        curves.append(torch.cat(pieces, dim=1))
+    return torch.cat(curves)
+
+
+def _blend_group(
+    classifier: Classifier,
+    x: torch.Tensor,
+    reference: torch.Tensor,
+    masks: torch.Tensor,
+    target: torch.Tensor,
+    offset: tuple[float, float],
+    mask_sigma: float,
+    amp: bool,
+) -> torch.Tensor:
+    """masks: (b, s, g, g) over x, reference: (b, C, H, W) -> (b, s) target probabilities, in one classifier call."""
+    images = kernels.soft_mask_blend(x, reference, masks, offset, smooth_sigma=mask_sigma, validate=False)
+    return target_probabilities(classifier, images, target, amp=amp)
+
+
 def soft_auc_loss(
     classifier: Classifier,
     x: torch.Tensor,
@@ -165,10 +222,10 @@ def soft_auc_loss(
         both, inner, tau=tau, n_iters=n_iters, noise=noise, generator=generator, validate=False
     )
     masks = masks.view(2 * bsz, inner.numel(), grid, grid)
-    images = kernels.soft_mask_blend(
-        torch.cat((x, x)), torch.cat((reference, reference)), masks, offset, smooth_sigma=mask_sigma, validate=False
-    )
-    curves = target_probabilities(classifier, images, torch.cat((target, target)), amp=amp)
+    curves = blend_probabilities(
+        classifier, torch.cat((x, x)), torch.cat((reference, reference)), masks, torch.cat((target, target)),
+        offset=offset, mask_sigma=mask_sigma, amp=amp,
+    )  # fmt: skip
     if endpoints is not None:
         # Both curves blend towards the reference (insertion removes the least important cells first): each
         # runs from the image at fraction 0 to the reference at fraction 1.

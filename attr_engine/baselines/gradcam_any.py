@@ -14,9 +14,11 @@ they are given), and whose layers stay findable under ``.model``.
 
 Layers: ``layer`` is a module or its name in the model (``"layer4"``, ``"blocks.1.norm1"``); by default the last
 CNN stage (:func:`~attr_engine.baselines.cam.cnn_stage`: timm ``feature_info[-1]``, torchvision ``layer4`` /
-``features``), for a timm ViT ``blocks[-1].norm1`` and for a torchvision ViT ``encoder.layers[-1].ln_1`` (the
-layers pytorch-grad-cam's documentation uses for ViTs). A ViT layer's (B, N, D) tokens are reshaped to (B, D, h, w)
-on the patch grid, its prefix tokens (class, distillation, register) dropped; (B, C, h, w) outputs pass unchanged.
+``features``), for a ViT its last block's first LayerNorm: timm ``blocks[-1].norm1``, torchvision
+``encoder.layers[-1].ln_1``, transformers ``vit.layers[-1].layernorm_before`` (the layer pytorch-grad-cam's
+documentation uses for ViTs; :func:`~attr_engine.baselines._vit.vit_layout`). A ViT layer's (B, N, D) tokens are
+reshaped to (B, D, h, w) on the patch grid, its prefix tokens (class, distillation, register) dropped; (B, C, h, w)
+outputs pass unchanged.
 
 Options: the class's constructor arguments beyond model / layers / reshape (``batch_size`` and
 ``ratio_channels_to_ablate`` of AblationCAM, ``k`` of FEM, ``kernel`` / ``gamma`` of KPCA_CAM), ScoreCAM's
@@ -43,7 +45,7 @@ import torch
 from torch import nn
 
 from attr_engine.baselines._grad_cam import import_grad_cam
-from attr_engine.baselines.cam import cnn_stage, find_layer, is_torchvision_vit, is_vit, layer_name, token_grid
+from attr_engine.baselines.cam import cnn_stage, find_layer, layer_name, vit_layout
 from attr_engine.explainer import Explainer
 
 __all__ = ["GradCamMethod", "cam_layer", "gradcam_class", "token_reshape"]
@@ -78,38 +80,18 @@ def gradcam_class(name: str) -> type[Any]:
 
 
 def cam_layer(model: nn.Module) -> nn.Module:
-    """The default target layer of ``model``: a timm ViT's ``blocks[-1].norm1``, a torchvision ViT's
-    ``encoder.layers[-1].ln_1``, else the last CNN stage (:func:`~attr_engine.baselines.cam.cnn_stage`)."""
-    vit: Any = model  # duck-typed timm / torchvision ViT: attributes nn.Module does not declare
-    if is_vit(model) and hasattr(vit.blocks[-1], "norm1"):
-        return vit.blocks[-1].norm1
-    if is_torchvision_vit(model):
-        return vit.encoder.layers[-1].ln_1
-    return cnn_stage(model)
+    """The default target layer of ``model``: a ViT's last block's first LayerNorm (timm ``blocks[-1].norm1``,
+    torchvision ``encoder.layers[-1].ln_1``, transformers ``layers[-1].layernorm_before``), else the last CNN stage
+    (:func:`~attr_engine.baselines.cam.cnn_stage`)."""
+    layout = vit_layout(model)
+    return layout.cam_layer if layout is not None else cnn_stage(model)
 
 
 def token_reshape(model: nn.Module, height: int, width: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The library's ``reshape_transform`` for a ViT on ``height`` x ``width`` images (None for other models):
     (B, P + h * w, D) tokens -> (B, D, h, w), the P prefix tokens dropped; (B, C, h, w) tensors pass unchanged."""
-    vit: Any = model
-    if is_vit(model):
-        prefix = int(vit.num_prefix_tokens)
-        rows, cols = token_grid(model, height, width)
-    elif is_torchvision_vit(model):
-        prefix, patch = 1, int(vit.patch_size)
-        rows, cols = height // patch, width // patch
-    else:
-        return None
-
-    def reshape(tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.ndim != 3:
-            return tokens
-        batch, count, dim = tokens.shape
-        if count != prefix + rows * cols:
-            raise RuntimeError(f"{count} tokens are not {prefix} prefix tokens and a {rows} x {cols} patch grid")
-        return tokens[:, prefix:].reshape(batch, rows, cols, dim).permute(0, 3, 1, 2)
-
-    return reshape
+    layout = vit_layout(model)
+    return layout.reshape(height, width) if layout is not None else None
 
 
 def _init_types(cls: type[Any]) -> dict[str, Any]:
