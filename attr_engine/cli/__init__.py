@@ -2,7 +2,8 @@
 
 Subcommands: ``demo`` (everything end to end on embedded data, no download), ``train-classifier``, ``train-aha``,
 ``explain`` (batch attribution of files and folders, resumable, shardable under torchrun), ``evaluate`` (a
-leaderboard of methods), ``bench`` (kernel and engine micro-benchmarks) and ``methods`` (the registry's methods).
+leaderboard of methods), ``bench`` (kernel and engine micro-benchmarks), ``methods`` (the registry's methods) and
+``serve`` (maps over HTTP).
 
 A user mistake (unknown model or method, missing checkpoint, unreadable image, empty folder, output not writable)
 ends with one line on stderr and a non-zero exit status. One rule decides which: every command first checks its
@@ -35,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and ``{command: subparser}``."""
     from attr_engine import __version__
-    from attr_engine.cli import bench, demo, evaluate, explain, methods, training
+    from attr_engine.cli import bench, demo, evaluate, explain, methods, serve, training
 
     parser = _Parser(
         prog=PROG,
@@ -52,7 +53,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands: dict[str, argparse.ArgumentParser] = {}
-    for module in (demo, training, explain, evaluate, bench, methods):
+    for module in (demo, training, explain, evaluate, bench, methods, serve):
         commands.update(module.register(subparsers))
     for sub in commands.values():
         sub.add_argument(
