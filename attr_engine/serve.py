@@ -255,7 +255,8 @@ def encode_map(amap: np.ndarray, dtype: str) -> dict[str, Any]:
     """
     import numpy as np
 
-    stored = amap.astype("<f4" if dtype == "float32" else "<f2")
+    with np.errstate(over="ignore"):  # an overflow is refused below, with its reason
+        stored = amap.astype("<f4" if dtype == "float32" else "<f2")
     if dtype == "float16" and not np.array_equal(np.isfinite(stored), np.isfinite(amap)):
         raise InstanceError("map values exceed float16's range (65504): serve with map_dtype float32", 500)
     return {"shape": list(amap.shape), "dtype": dtype, "b64": base64.b64encode(stored.tobytes()).decode("ascii")}

@@ -149,7 +149,9 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
 
     if importlib.util.find_spec("ray") is None or importlib.util.find_spec("starlette") is None:
         raise UsageError("serve needs Ray Serve: pip install 'attr-engine[serve]' (or 'ray[serve]')")
-    _check_port(args.host, args.port)
+    if not (args.address or os.environ.get("RAY_ADDRESS")):
+        # A local cluster's HTTP proxy listens here; a joined cluster's runs on its nodes (and may be listening).
+        _check_port(args.host, args.port)
     settings = _settings(args)
     method = resolve_method(args.method or ("aha" if args.aha else "pullback"))
     options = parse_key_values(args.option, "--option")
