@@ -407,6 +407,8 @@ def _without_mask_metrics(settings: dict[str, dict[str, Any]], has_masks: bool, 
     if not kept:
         raise ValueError("every metric needs object masks, and the data has none")
     return kept
+
+
 def warn_slow_metrics(
     explainers: Mapping[str, Explainer],
     settings: Mapping[str, Mapping[str, Any]],

@@ -2,8 +2,8 @@
 
 Subcommands: ``demo`` (everything end to end on embedded data, no download), ``train-classifier``, ``train-aha``,
 ``explain`` (batch attribution of files and folders, resumable, shardable under torchrun), ``evaluate`` (a
-leaderboard of methods), ``bench`` (kernel and engine micro-benchmarks), ``methods`` (the registry's methods) and
-``export`` (a trained AHA and its classifier as one ONNX / .pt2 serving file).
+leaderboard of methods), ``bench`` (kernel and engine micro-benchmarks), ``methods`` (the registry's methods),
+``export`` (a trained AHA and its classifier as one ONNX / .pt2 serving file) and ``serve`` (maps over HTTP).
 
 One error boundary serves every command (:func:`main`), so a command never ends in a traceback the user cannot act
 on. The rule, whenever the error comes (while the command checks its settings or after its work has started):
@@ -48,7 +48,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and ``{command: subparser}``."""
     from attr_engine import __version__
-    from attr_engine.cli import bench, demo, evaluate, explain, export, methods, training
+    from attr_engine.cli import bench, demo, evaluate, explain, export, methods, serve, training
     from attr_engine.cli._common import add_cost_arg
 
     parser = _Parser(
@@ -67,7 +67,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands: dict[str, argparse.ArgumentParser] = {}
-    for module in (demo, training, explain, evaluate, bench, methods, export):
+    for module in (demo, training, explain, evaluate, bench, methods, export, serve):
         commands.update(module.register(subparsers))
     for name, sub in commands.items():
         if name in ("explain", "evaluate"):  # the commands that run methods: their cost budget (cli._common)
