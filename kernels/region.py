@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.library import custom_op, triton_op, wrap_triton
 
@@ -921,6 +922,26 @@ def _check_sigma(sigma: float, h: int, w: int) -> float:
     return sigma
 
 
+def soft_mask_blend_reference(x: Tensor, reference: Tensor, masks: Tensor, *, smooth_sigma: float = 0.0) -> Tensor:
+    """Plain-autograd statement of :func:`soft_mask_blend` at offset (0, 0): nearest upsampling, then blend.
+
+    ``up = interpolate(masks, (H, W), nearest)``; with ``smooth_sigma > 0`` the official AHA smoothing of ``up``:
+    reflect padding, a separable Gaussian :func:`gaussian_taps` convolution and ``clamp(0, 1)``; then
+    ``x + up[:, :, None] * (reference - x)[:, None]``. Nearest upsampling puts a pixel in the same cell as
+    :func:`region_pool` when g divides H and W. Autograd keeps the upsampled masks and output-sized temporaries
+    (the eager baseline of ``benches/bench_region.py``).
+
+    x, reference: (B, C, H, W); masks: (B, S, g, g). Returns (B, S, C, H, W).
+    """
+    up = F.interpolate(masks, size=x.shape[-2:], mode="nearest")
+    if smooth_sigma > 0:
+        taps = gaussian_taps(smooth_sigma).to(x)
+        k = taps.numel()
+        flat = F.pad(up.flatten(0, 1)[:, None], (k // 2,) * 4, mode="reflect")
+        up = F.conv2d(flat, (taps[:, None] * taps[None, :])[None, None]).view_as(up).clamp(0.0, 1.0)
+    return x[:, None] + up[:, :, None] * (reference - x)[:, None]
+
+
 def soft_mask_blend(
     x: Tensor,
     reference: Tensor,
@@ -989,4 +1010,12 @@ def soft_mask_blend(
     return torch.ops.attr_engine.soft_mask_blend_reference(x, reference, masks, oy, ox, sigma)
 
 
-__all__ = ["MAX_BLEND_MASKS", "blur_kernel_size", "cell_index", "gaussian_taps", "region_pool", "soft_mask_blend"]
+__all__ = [
+    "MAX_BLEND_MASKS",
+    "blur_kernel_size",
+    "cell_index",
+    "gaussian_taps",
+    "region_pool",
+    "soft_mask_blend",
+    "soft_mask_blend_reference",
+]

@@ -1,6 +1,6 @@
 """Batched log-domain Sinkhorn normalisation: log_alpha (B, N, N) -> doubly-stochastic P (B, N, N).
 
-Definition (``sinkhorn_eager``): X = log_alpha / tau, then ``n_iters`` times X -= LSE over columns (each row sums to
+Definition (``sinkhorn_reference``): X = log_alpha / tau, then ``n_iters`` times X -= LSE over columns (each row sums to
 one), X -= LSE over rows (each column sums to one); P = exp(X).
 
 The fast paths run the same iterations in the dual (potentials) form. Writing K = log_alpha / tau, a row potential
@@ -24,7 +24,7 @@ s_j the column sum of exp(x - m_j)), so the columns of P sum to one even where v
 potentials are O(max |log_alpha / tau|), so P carries a relative error of about fp32-eps times that spread (1e-7 at
 spread 1, ~1e-3 at spread 1e6); the eager form, which keeps the normalised matrix, is the more accurate one there.
 
-Paths: ``sinkhorn_eager`` (definition and gradcheck target), ``_SinkhornReference`` (pure PyTorch, batch-chunked,
+Paths: ``sinkhorn_reference`` (definition and gradcheck target), ``_SinkhornPotentials`` (pure PyTorch, batch-chunked,
 recomputing backward) and two fused Triton designs, chosen by :func:`kernels._backend.use_triton`:
 
 - N <= 64: one program per sample keeps the whole padded matrix in registers and runs every iteration (one launch
@@ -74,7 +74,7 @@ def _check_inputs(log_alpha: Tensor, n_iters: int, tau: float, validate: bool = 
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def sinkhorn_eager(log_alpha: Tensor, n_iters: int = 20, tau: float = 1.0) -> Tensor:
+def sinkhorn_reference(log_alpha: Tensor, n_iters: int = 20, tau: float = 1.0) -> Tensor:
     """Sinkhorn by its definition, differentiated by autograd through every iterate.
 
     Memory traffic: 2 * n_iters logsumexp-and-subtract passes, each reading and writing B * N^2 floats, and autograd
@@ -106,7 +106,7 @@ def _batch_chunks(batch: int, n: int) -> list[slice]:
     return [slice(i, min(i + step, batch)) for i in range(0, batch, step)]
 
 
-class _SinkhornReference(torch.autograd.Function):
+class _SinkhornPotentials(torch.autograd.Function):
     """Potentials-form Sinkhorn; saves log_alpha and the (B, T + 1, N) potentials, recomputes weights in backward.
 
     Memory: saved state O(B * T * N); temporaries a few chunk x N x N slabs in forward and backward. Traffic: each
@@ -402,7 +402,7 @@ _sinkhorn_fwd_op.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_s
 def sinkhorn(log_alpha: Tensor, n_iters: int = 20, tau: float = 1.0, *, validate: bool = True) -> Tensor:
     """Batched log-domain Sinkhorn normalisation, differentiable w.r.t. ``log_alpha``.
 
-    Same result as :func:`sinkhorn_eager` (X = log_alpha / tau; ``n_iters`` times: normalise rows, then columns, in
+    Same result as :func:`sinkhorn_reference` (X = log_alpha / tau; ``n_iters`` times: normalise rows, then columns, in
     the log domain; P = exp(X)) without keeping the iterates: the backward recomputes each step's weights from
     log_alpha and the saved (B, n_iters + 1, N) row and column potentials. Runs the fused Triton kernels when
     :func:`kernels._backend.use_triton` says so, the PyTorch reference otherwise.
@@ -424,7 +424,7 @@ def sinkhorn(log_alpha: Tensor, n_iters: int = 20, tau: float = 1.0, *, validate
     tau = _check_inputs(log_alpha, n_iters, tau, validate)
     if use_triton(log_alpha):
         return torch.ops.attr_engine.sinkhorn_fwd(log_alpha, n_iters, tau)[0]
-    return _SinkhornReference.apply(log_alpha, n_iters, tau)
+    return _SinkhornPotentials.apply(log_alpha, n_iters, tau)
 
 
-__all__ = ["sinkhorn", "sinkhorn_eager"]
+__all__ = ["sinkhorn", "sinkhorn_reference"]

@@ -11,7 +11,7 @@ with Gumbel noise G. The masks are prefix sums of P over rank slots, interpolate
 
 Three paths, one definition:
 
-- :func:`soft_topk_masks_dense` - the definition: build K densely and differentiate through the Sinkhorn loop with
+- :func:`soft_topk_masks_reference` - the definition: build K densely and differentiate through the Sinkhorn loop with
   autograd. It keeps every iterate, O(n_iters * B * N^2) memory (about 5 GB at B=32, N=784, 30 iterations).
 - Structured reference (pure PyTorch, any device): the cost is rank one up to row/column constants, so K is never
   saved. Only the potentials u, v (B, N) of every iteration are kept, O(B * N * n_iters). Per chunk of the batch the
@@ -51,7 +51,7 @@ from kernels._backend import tl, triton, use_triton
 from kernels._sinkhorn_core import _gumbel, _line_lse, _line_tile
 from kernels._tl_helpers import _lse_normaliser, _pid, compute_dtype
 from kernels._validate import check_int_at_least, check_positive, check_tensor
-from kernels.sinkhorn import sinkhorn_eager
+from kernels.sinkhorn import sinkhorn_reference
 
 # Smallest uniform draw before the double log of the Gumbel transform: keeps G finite (G >= -log(-log(1e-10)) ~ -3.1).
 _U_MIN = 1e-10
@@ -183,7 +183,7 @@ def _cost(scores: torch.Tensor, anchors: torch.Tensor, noise: torch.Tensor | Non
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def soft_topk_masks_dense(
+def soft_topk_masks_reference(
     scores: torch.Tensor,
     fractions: torch.Tensor,
     *,
@@ -206,7 +206,7 @@ def soft_topk_masks_dense(
     log_alpha = -(scores[:, None, :] - anchors[None, :, None]).square()
     if gumbel is not None:
         log_alpha = log_alpha + gumbel.to(log_alpha.dtype)
-    perm = sinkhorn_eager(log_alpha, n_iters, tau)
+    perm = sinkhorn_reference(log_alpha, n_iters, tau)
     return prefix_weights(fractions, n).to(perm.dtype) @ perm
 
 
