@@ -55,12 +55,13 @@ per thread or per context, and nothing stays patched once the last one closes.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any, ParamSpec, cast
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +81,8 @@ from torch.autograd.function import once_differentiable
 from kernels._tl_helpers import compute_dtype
 from kernels._validate import check_bool, check_positive
 from kernels.soft_gates import DEFAULT_POOL_TAU, DEFAULT_TAU, soft_gate, soft_maxpool2d
+
+_P = ParamSpec("_P")
 
 __all__ = ["GELU_TAU", "MAXPOOL_TAU", "RELU_TAU", "SILU_TAU", "SoftAdjoint", "soft_adjoint"]
 
@@ -616,11 +619,33 @@ def _release(module: nn.Module) -> None:
 
 
 class SoftAdjoint:
-    """Context manager returned by :func:`soft_adjoint` (see there); single use, not re-entrant.
+    """Context manager (also called as :func:`soft_adjoint`): ``model``'s forward unchanged, its backward the
+    Semantic Pullback soft adjoint.
+
+    Inside ``with soft_adjoint(model):`` the logits are bit-identical to the plain model's and
+    ``torch.autograd.grad(logit, x)`` is the soft pullback ``W(x)^T u`` (see the module docstring for the layer
+    table). On exit, normal or by exception, the model is exactly as before: same module objects, flags, state
+    dict and hooks, and the functional patches are undone once the last open context closes.
 
     After ``__enter__``: ``softened`` lists ``(name, kind)`` of the modules given a soft forward, ``unknown`` lists
-    ``(name, reason)`` of the modules reported as possibly gated but left plain. Any number of contexts (on the same
-    model or not, in one thread or several) may be open at once and exited in any order.
+    ``(name, reason)`` of the modules reported as possibly gated but left plain. Single use, not re-entrant; any
+    number of contexts (on the same model or not, in one thread or several) may be open at once and exited in any
+    order.
+
+    Args:
+        model: any ``nn.Module`` (a :class:`~attr_engine.classifier.Classifier` or the network inside it).
+        relu_tau: temperature of the ReLU (and ReLU6) gate ``Phi(z / tau)``; paper default 0.6.
+        gelu_tau: temperature of the GELU gate ``Phi(z / tau)`` (erf and tanh GELU); paper default 1.0.
+        silu_tau: temperature of the SiLU gate ``sigmoid(z / tau)``; paper default 1.6.
+        maxpool_tau: temperature of the max-pool window softmax; paper default 0.3.
+        layernorm: hold LayerNorm statistics constant in the backward (False: plain LayerNorm gradient).
+        attention: hold softmax attention weights constant in the backward (False: plain attention gradient).
+        warn_unknown: warn, listing them, about modules that may carry gates but are not handled.
+
+    Example:
+        >>> with soft_adjoint(classifier):  # doctest: +SKIP
+        ...     logits = classifier(x.requires_grad_())
+        ...     (pullback,) = torch.autograd.grad(logits[:, k].sum(), x)
     """
 
     def __init__(
@@ -748,46 +773,15 @@ class SoftAdjoint:
         self._state = "closed"
 
 
-def soft_adjoint(
-    model: nn.Module,
-    *,
-    relu_tau: float = RELU_TAU,
-    gelu_tau: float = GELU_TAU,
-    silu_tau: float = SILU_TAU,
-    maxpool_tau: float = MAXPOOL_TAU,
-    layernorm: bool = True,
-    attention: bool = True,
-    warn_unknown: bool = True,
-) -> SoftAdjoint:
-    """Context manager: ``model``'s forward unchanged, its backward the Semantic Pullback soft adjoint.
+def _function_of(cls: Callable[_P, SoftAdjoint]) -> Callable[_P, SoftAdjoint]:
+    """``cls`` called as a function, with its parameters (declared once, in ``__init__``) and docstring."""
 
-    Inside ``with soft_adjoint(model):`` the logits are bit-identical to the plain model's and
-    ``torch.autograd.grad(logit, x)`` is the soft pullback ``W(x)^T u`` (see the module docstring for the layer
-    table). On exit, normal or by exception, the model is exactly as before: same module objects, flags, state
-    dict and hooks, and the functional patches are undone once the last open context closes.
+    @functools.wraps(cls)
+    def make(*args: _P.args, **kwargs: _P.kwargs) -> SoftAdjoint:
+        return cls(*args, **kwargs)
 
-    Args:
-        model: any ``nn.Module`` (a :class:`~attr_engine.classifier.Classifier` or the network inside it).
-        relu_tau: temperature of the ReLU (and ReLU6) gate ``Phi(z / tau)``; paper default 0.6.
-        gelu_tau: temperature of the GELU gate ``Phi(z / tau)`` (erf and tanh GELU); paper default 1.0.
-        silu_tau: temperature of the SiLU gate ``sigmoid(z / tau)``; paper default 1.6.
-        maxpool_tau: temperature of the max-pool window softmax; paper default 0.3.
-        layernorm: hold LayerNorm statistics constant in the backward (False: plain LayerNorm gradient).
-        attention: hold softmax attention weights constant in the backward (False: plain attention gradient).
-        warn_unknown: warn, listing them, about modules that may carry gates but are not handled.
+    make.__name__ = make.__qualname__ = "soft_adjoint"
+    return make
 
-    Example:
-        >>> with soft_adjoint(classifier):  # doctest: +SKIP
-        ...     logits = classifier(x.requires_grad_())
-        ...     (pullback,) = torch.autograd.grad(logits[:, k].sum(), x)
-    """
-    return SoftAdjoint(
-        model,
-        relu_tau=relu_tau,
-        gelu_tau=gelu_tau,
-        silu_tau=silu_tau,
-        maxpool_tau=maxpool_tau,
-        layernorm=layernorm,
-        attention=attention,
-        warn_unknown=warn_unknown,
-    )
+
+soft_adjoint = _function_of(SoftAdjoint)
