@@ -9,15 +9,9 @@ O(B * N) numbers change between half-steps and the N x N weights are recomputed 
 
     u^t = -LSE_j(K + v^(t-1)),   v^t = -LSE_i(K + u^t),   v^0 = 0.
 
-For rounding, K is first shifted by its row maxima (u^0 = -max_j K, which the first half-step absorbs exactly, so P
-and its gradient are unchanged): the largest entry of every row of K' = K + u^0 is exactly 0, and the sums that
-matter stay small. The potentials of every half-step are kept, (B, T + 1, N) each (slot 0: the row shift and v^0),
-which is all the exact unrolled backward needs (R = dL/dP * P):
-
-    dK = R;  du^T = rowsum(R);  dv^T = colsum(R)
-    for t = T..1:  Q  = exp(K' + u^t + v^t)      (columns sum to 1)   dK -= dv^t[col] Q;   du^t -= Q dv^t
-                   Q' = exp(K' + u^t + v^(t-1))  (rows sum to 1)      dK -= du^t[row] Q';  dv^(t-1) = -Q'^T du^t
-    d log_alpha = dK / tau
+For rounding, K is first shifted by its row maxima (u^0 = -max_j K, absorbed exactly by the first half-step, so P
+and its gradient are unchanged): every row of K' = K + u^0 peaks at 0. The potentials of every half-step, (B, T + 1,
+N) each, are all the exact unrolled backward needs; its recurrence is written out in :mod:`kernels._sinkhorn_core`.
 
 The last half-step writes P = exp(x - m_j) / s_j straight from its column logsumexp (x = K' + u^T, m_j the column max,
 s_j the column sum of exp(x - m_j)), so the columns of P sum to one even where v^T itself is rounded. Accuracy: the

@@ -12,18 +12,13 @@ with Gumbel noise G. The masks are prefix sums of P over rank slots, interpolate
 Three paths, one definition:
 
 - :func:`soft_topk_masks_reference` - the definition: build K densely and differentiate through the Sinkhorn loop with
-  autograd. It keeps every iterate, O(n_iters * B * N^2) memory (about 5 GB at B=32, N=784, 30 iterations).
-- Structured reference (pure PyTorch, any device): the cost is rank one up to row/column constants, so K is never
-  saved. Only the potentials u, v (B, N) of every iteration are kept, O(B * N * n_iters). Per chunk of the batch the
-  kernel matrix E = exp(K + u_ref + v_ref) is formed once (float64 for float64 scores, float32 otherwise; potentials
-  always float64) and every Sinkhorn half-step becomes a batched matrix-vector product with diagonal rescalings (the
-  log-stabilised scaling form); the backward of the unrolled iterations is again matrix-vector products with the
-  same E. When potentials drift too far from the reference pair E is re-formed, and a half-step whose sums would
-  underflow is done exactly in the log domain, so scores of any scale and tiny tau stay finite. The Gumbel noise is
-  regenerated from per-sample seeds in the backward instead of being stored. Registered as a custom op, so
-  ``torch.compile`` sees one node. Chunks hold as many samples as fit a cache-sized slab (one at N = 784); with
-  several torch threads on the CPU, worker threads take whole chunks (see :func:`_for_each_chunk`), so the masks
-  never depend on the thread count.
+  autograd. It keeps every iterate, O(n_iters * B * N^2) memory.
+- Structured reference (pure PyTorch, any device): K is never saved, only the potentials u, v (B, T + 1, N). Per
+  chunk of the batch E = exp(K + u_ref + v_ref) is formed once and every half-step (and every step of the unrolled
+  backward) is a batched matrix-vector product with diagonal rescalings; E is re-formed when the potentials drift,
+  and a half-step whose sums would underflow is done in the log domain, so any score scale and tiny tau stay
+  finite. The noise is regenerated from per-sample seeds; worker threads take whole chunks (:func:`_for_each_chunk`),
+  so the masks never depend on the thread count. A custom op: ``torch.compile`` sees one node.
 - Triton (fused): the tiled Sinkhorn core of :mod:`kernels._sinkhorn_core` (the one :func:`kernels.sinkhorn.sinkhorn`
   runs) with the cost computed from the scores: each program regenerates its K tiles and the Philox Gumbel noise on
   the fly, so neither K nor P is ever written. A last kernel accumulates the masks with a small matrix product per
@@ -168,9 +163,9 @@ def _check_inputs(
 def _cost(scores: torch.Tensor, anchors: torch.Tensor, noise: torch.Tensor | None, tau: float) -> torch.Tensor:
     """K (B, N, N) = (-(s_i - a_j)^2 + G_ji) / tau in the dtype of ``scores``, in place on one N x N temporary.
 
-    K stays float64 for every input dtype: a float32 K was measured 13-20 % faster at N = 576-784 but its rounding
-    (1e-7, and 1-ulp differences between the vectorised and scalar exp of differently sized chunks) made a refined,
-    standardised map depend on its batch mates by 4e-4 (test_a_refined_map_does_not_depend_on_its_batch).
+    K stays float64 for every input dtype: float32 rounding (1-ulp differences between the vectorised and scalar exp
+    of differently sized chunks) made a refined, standardised map depend on its batch mates
+    (test_a_refined_map_does_not_depend_on_its_batch). The float32 timing: benches/README.md ("Cost at the floor").
     """
     k = (scores[:, None, :] - anchors[None, :, None]).square_().neg_()
     if noise is not None:
@@ -323,8 +318,8 @@ def _for_each_chunk(bsz: int, n: int, device: torch.device, work: Callable[[int,
 
     Samples, not products, are split between threads: each core then streams its own sample's kernel matrix from
     its own cache, and nothing waits at a barrier inside a product. Splitting each product across threads instead
-    met ~4 T barriers per sample, which stall whenever another job holds a core (measured 12.4 s against 3.7 s on
-    one thread on a loaded 2-core machine). Chunks are handed out as workers free up, so a descheduled worker
+    met ~4 T barriers per sample, which stall whenever another job holds a core (benches/README.md, "Sinkhorn
+    core"). Chunks are handed out as workers free up, so a descheduled worker
     delays only its own chunk. Chunks write disjoint slices of the outputs.
     """
     step = _chunk_size(n)

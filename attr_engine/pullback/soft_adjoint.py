@@ -20,37 +20,13 @@ softmax attention      attention weights held constant: the gradient flows throu
 BatchNorm, linear ops  unchanged (affine in eval mode, already their own adjoint)
 =====================  =========================================================================================
 
-How layers are reached:
-
-- Modules are found by type through ``named_modules()`` and get an instance ``forward`` while at least one context
-  covering them is open (module objects, flags, parameters, buffers and hooks are never touched). That instance
-  forward is a dispatcher installed once per module, with a reference count under a lock, and removed when the
-  last context covering the module closes, whatever the order in which contexts close. It is soft only in a
-  thread whose innermost open context covers the module, with that context's settings; every other call (another
-  thread, no context open, no gradient) runs the module's own forward. Subclasses that override ``forward`` are not
-  assumed to behave like their base and are reported instead.
-- Functional calls inside a forward (``F.relu``, ``torch.relu``, ``F.relu6``, ``F.gelu``, ``F.silu``,
-  ``F.max_pool2d``, ``F.scaled_dot_product_attention``: timm's fused attention path; ``F.softmax`` /
-  ``torch.softmax``, soft only inside an attention module) are covered by patching those
-  attributes of ``torch.nn.functional`` / ``torch`` while at least one context is open. The patched functions are
-  soft only in the thread that entered a context (a thread-local stack), so other threads keep the plain
-  functions; names bound at import time (``from torch.nn.functional import relu``) and tensor methods
-  (``x.relu()``) are out of reach.
-- timm attention modules that compute the softmax explicitly (``fused_attn`` False) get their weights held
-  constant at their ``attn_drop`` module, which every timm attention applies to the softmax before ``@ v``.
-- ``nn.MultiheadAttention`` and transformers attention modules run their own forward with every ``F.softmax`` /
-  ``torch.softmax`` in it held constant (inside an attention module the softmax is the attention softmax), and
-  their SDPA path is held by the ``F.scaled_dot_product_attention`` patch. torchvision's and transformers' layers
-  are known by module and class name, so neither library is imported here.
-- Modules of unknown type that may carry gates (other activations, normalisation, attention and max-pooling
-  layers) keep their plain backward and are listed in one ``warnings.warn``.
-
-Every soft layer falls back to its plain forward when no gradient can flow (grad mode off or an input that does not
-require grad), so evaluation inside the context costs nothing extra.
-
-Contexts nest (the innermost one covering a module or, for the functional patches, the innermost one of the thread
-sets the temperatures), may be exited in any order, and may be open in several threads at once: all their state is
-per thread or per context, and nothing stays patched once the last one closes.
+How layers are reached (the full mechanism: docs/soft_adjoint.md): modules by type through ``named_modules()``,
+given a per-thread dispatcher ``forward`` while a context covering them is open (module objects, flags, parameters,
+buffers and hooks are never touched); functional calls (``F.relu``, ``F.gelu``, ``F.silu``, ``F.max_pool2d``,
+``F.scaled_dot_product_attention``, ``F.softmax`` inside attention, ...) by patching ``torch.nn.functional`` /
+``torch`` while a context is open, soft only in the thread that entered it. Unknown modules that may carry gates keep
+their plain backward and are listed in one warning. Without a gradient every soft layer runs its plain forward.
+Contexts nest (the innermost sets the temperatures), exit in any order and may be open in several threads at once.
 """
 
 from __future__ import annotations
@@ -246,8 +222,8 @@ def _held_rstd(xd: torch.Tensor, dims: tuple[int, ...], eps: float) -> torch.Ten
     """Per-token ``1 / sqrt(var + eps)`` of a LayerNorm over ``dims`` (trailing dims, or ``(1,)``: the channels of
     (B, C, ...)), keepdim-shaped, in float32 (float64 for float64 input).
 
-    From ``torch.native_layer_norm``, the kernel ``F.layer_norm`` itself runs: on the CPU it is several times faster
-    than ``torch.var_mean`` over the last dim (2.7 ms against 0.3 ms per call on the small ViT at batch 64).
+    From ``torch.native_layer_norm``, the kernel ``F.layer_norm`` itself runs: on the CPU several times faster than
+    ``torch.var_mean`` over the last dim (benches/README.md, "Measurements moved from docstrings").
     """
     cd = compute_dtype(xd.dtype)
     if dims == (1,):
