@@ -17,16 +17,13 @@ Metrics (name: direction, what is computed with which settings):
 | random_logit_ssim | lower | Quantus' default SSIM of the flattened maps, per-map max normalisation |
 | pointing_game, energy_pointing_game, mask_iou | higher | need object masks (mask_iou: IoU of the top-k% pixels) |
 
-Infidelity patches of H/4 and H/2 are the SP paper's 56 and 112 px at 224 px; both infidelities compare logits.
-
 Each method is scored the way its authors score it: pixel-ranking metrics (deletion, insertion, pos, neg, pointing
 games) use the map its ``ranking_reduce`` declares (the Semantic Pullback: mean |value| over channels, see
 :data:`~attr_engine.pullback.PULLBACK_RANKING_SOURCE`; every other method: its own map), and the infidelities
 use the signed per-channel attribution of methods that declare ``infidelity_per_channel`` (gradient, gradient x
 input, Integrated Gradients, the pullbacks, DeepLift, ``captum:...``), broadcasting the map otherwise. The
-``ranked by`` column says which map was ranked. With ``extra_rankings=True``, methods that
-declare some (the pullbacks: ``"input"``, i.e. ``sum_c pullback_c (x_c - mean colour_c)``, and the signed channel
-mean) get extra rows with the deletion / insertion of those maps.
+``ranked by`` column says which map was ranked; ``extra_rankings=True`` adds rows for the extra rankings methods
+declare (the pullbacks: ``"input"``, ``sum_c pullback_c (x_c - mean colour_c)``, and the signed channel mean).
 
 Every random metric draws from a generator seeded with ``seed`` for each method, so all methods see the same noise.
 Metric settings can be overridden per metric: ``metrics={"infidelity": {"n_samples": 10}, "deletion": {}}``.

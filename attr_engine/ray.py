@@ -17,26 +17,12 @@ Each actor (:class:`BatchAttributor`) loads the classifier and builds the method
 ``train-classifier`` / ``demo`` or a timm model, and ``aha`` (a checkpoint directory), ``pullback`` (Pullback
 Ascent), ``pullback-soft`` or any registered baseline.
 
-**Input batches** take one of three layouts (the first column found wins):
-
-- ``image``: decoded images, as :func:`ray.data.read_images` gives them (``(h, w, 3)`` or ``(h, w)`` uint8 /
-  uint16 arrays; read with ``mode="RGB"`` for a dataset of mixed modes);
-- ``bytes`` (+ ``path``): encoded files, as ``ray.data.read_binary_files(..., include_paths=True)`` gives them,
-  decoded here exactly as ``attr-engine explain`` decodes a file (EXIF rotation, 16-bit and float greyscale);
-- ``path`` alone: files the actor opens itself (a local disk or a filesystem every node mounts);
-  ``attr-engine explain --engine ray`` uses this one.
-
-Every image is cut as the classifier expects (timm's data config: :func:`attr_engine.imageops.data_config`, the
-same :func:`attr_engine.imageops.prepare_input` the local engine uses). Other input columns pass through.
-
-**Output columns**: ``map`` (float32, ``(H, W)`` in the classifier's frame, or ``(h, w)`` in the image's own with
-``frame="image"``, the border the crop cut away ``NaN``), ``target`` (the class explained), ``probability`` (the
-classifier's softmax probability of that class, float32; ``NaN`` for unreadable rows), ``height`` / ``width``
-(the image's size), ``error`` (``""``, or why the image could not be read: such a row has a ``(0, 0)`` map and
-target ``-1``, and the job goes on; or :data:`attr_engine.explainer.NONFINITE_MAP` when the method's map had NaN
-or infinite values: a ``(0, 0)`` map with its target), optionally ``deletion`` / ``insertion`` (AUCs of the map,
-AHA protocol, ``NaN`` for unreadable rows) and, with ``return_images``, ``original`` (``(3, h, w)`` uint8, image
-frame) or ``input`` (``(3, H, W)`` float32, the classifier's input, model frame) for overlays.
+**Input batches**: a column ``image`` (decoded, as :func:`ray.data.read_images` gives them), ``bytes`` (+ ``path``:
+encoded files, decoded here as ``attr-engine explain`` decodes a file) or ``path`` alone (files the actor opens);
+the first found wins, other columns pass through. Every image is cut as the classifier expects
+(:func:`attr_engine.imageops.prepare_input`, as the local engine). **Output columns**: ``map``, ``target``,
+``probability``, ``height`` / ``width``, ``error`` and optionally ``deletion`` / ``insertion`` and the images;
+their shapes and meanings: docs/ray.md.
 
 Ray is imported only by the functions that run a job: ``import attr_engine`` (and ``attr-engine --help``) never
 loads it.

@@ -7,16 +7,11 @@ One evaluation of the objective for maps A (B, H, W):
   (``mask_sigma``)  ->  softmax probability of the target class  ->  trapezoid AUC.
 loss = delAUC + (1 - insAUC) + w * mean(relu(A - avgpool(A))^2).
 
-What enters the sorter is set by ``score_norm`` (:func:`sorter_scores`). The paper and the official code pass the
-region scores raw; their scale then acts as an inverse temperature (the cost -(s_i - a_j)^2 changes by
-2 s_i a_j / tau between rank slots), so the explainer must first learn how sharply to rank, and an untrained
-decoder's small maps rank almost uniformly. The default z-scores each image's scores and ranks them against anchors
-spanning [-2, 2] (``anchor_span`` 4): the sharpness is fixed at the schedule's temperature and training moves only
-the order; it won on ``benches/bench_aha_defaults.py`` (benches/README.md, "AHA defaults: grid rule and score
-scaling"). The soft AUC under z-scores falls less in training than under raw scores (the soft ranking cannot be
-sharpened past the temperature) while the hard metric falls more. Min-max normalising to [0, 1], tried earlier, was
-too soft at tau 0.3 to train at all. The figures behind these statements are in benches/README.md, "Measurements
-quoted in the AHA docstrings".
+What enters the sorter is set by ``score_norm`` (:func:`sorter_scores`). Raw region scores (paper, official code)
+act through their scale as an inverse temperature (the cost -(s_i - a_j)^2 changes by 2 s_i a_j / tau between rank
+slots), so the explainer must first learn how sharply to rank. The default z-scores each image's scores and ranks
+them against anchors spanning [-2, 2] (``anchor_span`` 4): the sharpness is fixed by the schedule's temperature and
+training moves only the order. The comparison behind this default: docs/aha_config.md (``score_norm``).
 
 The settings a config fixes for every call (sorter iterations, peak penalty, mask smoothing, score normalisation,
 autocast) come from :meth:`AHAConfig.loss_kwargs <attr_engine.aha.config.AHAConfig.loss_kwargs>`, the same in a

@@ -9,14 +9,12 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
 
 from attr_engine.aha.config import AHAConfig
 from attr_engine.aha.loss import soft_auc_loss, standardise, target_probabilities
 from attr_engine.aha.network import Decoder, FeatureBackbone, PerImageTail, build_backbone
 from attr_engine.aha.persistence import WEIGHTS_FILE, load_checkpoint, save_explainer
 from attr_engine.aha.trainer import fit as train_decoder
-from attr_engine.aha.validation import ValData
 from attr_engine.classifier import Classifier, check_device, eval_mode, resolve_targets
 from attr_engine.explainer import Explainer, register_explainer
 from attr_engine.imageops import reference_image
@@ -286,37 +284,8 @@ class AHA(nn.Module, Explainer):
     # Training
     # ------------------------------------------------------------------------------------------------------------
 
-    def fit(
-        self,
-        data: Dataset | DataLoader,
-        *,
-        epochs: int | None = None,
-        batch_size: int = 32,
-        max_steps: int | None = None,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int | None = None,
-        resume: str | os.PathLike[str] | None = None,
-        num_workers: int = 0,
-        progress: bool = True,
-        val: ValData | None = None,
-    ) -> dict[str, list[float]]:
-        """Train the decoder on ``data`` (see :func:`attr_engine.aha.trainer.fit` for every detail).
-
-        Without ``val``: ``epochs`` passes (default 1), at most ``max_steps`` steps. With ``val`` (held-out images:
-        a Dataset, a DataLoader or a (N, 3, H, W) tensor): scored every ``config.val_every`` steps by the hard
-        composite (insertion AUC - deletion AUC), training stops after ``config.patience`` scores without an
-        improvement of more than ``config.min_delta`` (capped at ``max_steps`` and ``epochs``, default 10) and the
-        decoder ends with the weights of its best score.
-
-        Returns:
-            History with per-step ``loss``, ``deletion``, ``insertion``, ``tau`` and ``lr``; with ``val`` also the
-            curve, one entry per score: ``val_step``, ``val_composite``, ``val_deletion``, ``val_insertion`` and
-            ``val_loss``.
-        """
-        return train_decoder(
-            self, data, epochs=epochs, batch_size=batch_size, max_steps=max_steps, checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every, resume=resume, num_workers=num_workers, progress=progress, val=val,
-        )  # fmt: skip
+    # Training: trainer.fit itself, so its options are declared once (a bound call passes this AHA as ``aha``).
+    fit = train_decoder
 
     # ------------------------------------------------------------------------------------------------------------
     # Persistence

@@ -29,8 +29,7 @@ layer's grid, then resized to the input with OpenCV's bilinear ``cv2.resize`` - 
 ``pytorch_grad_cam.GradCAM`` exactly. The scale is the library's: the per-layer rescale happens inside its call,
 before its multi-layer aggregation, so undoing it would mean re-implementing the library rather than wrapping it.
 A map whose ReLU leaves nothing (or a 1 x 1 layer grid) is all zeros. Pixel-ranking metrics do not see the
-rescale; anything comparing magnitudes across images should use the project's ``grad-cam``, which does not rescale.
-The library computes on the host in NumPy: on a GPU every call copies the layer's activations and gradients back.
+rescale; to compare magnitudes across images use the project's ``grad-cam``. The library computes in host NumPy.
 """
 
 from __future__ import annotations
