@@ -18,7 +18,7 @@ from attr_engine.aha.trainer import fit as train_decoder
 from attr_engine.classifier import Classifier, check_device, eval_mode, resolve_targets
 from attr_engine.explainer import Explainer, register_explainer
 from attr_engine.imageops import reference_image
-from kernels._validate import check_int_at_least, check_tensor
+from kernels._validate import check_int, check_int_at_least, check_positive, check_tensor
 
 __all__ = ["AHA"]
 
@@ -279,6 +279,73 @@ class AHA(nn.Module, Explainer):
                 optimizer.step()
         with torch.no_grad():
             return tail(hidden).float()
+
+    def optimise_maps(
+        self,
+        x: torch.Tensor,
+        target: torch.Tensor | None = None,
+        *,
+        steps: int,
+        record: Sequence[int] = (),
+        lr: float = 0.05,
+        seed: int | None = None,
+    ) -> dict[int, torch.Tensor]:
+        """The per-image optimum of AHA's training objective: free maps, initialised from the one-pass maps.
+
+        Each image's map (H x W free values, not decoder weights) starts from the explainer's standardised T=0 map
+        and takes ``steps`` Adam steps (rate ``lr``) on that image's soft objective as training scores it: grids
+        drawn from ``config.grid_range`` with the training's sub-cell offsets, ``config.n_fractions`` fractions,
+        the final temperature ``tau_end`` without Gumbel noise, the mask smoothing and peak penalty of training,
+        and the mean-colour reference the metrics use. The loss is the sum of the per-image objectives, so a map
+        does not depend on its batch mates. No cost limit: this measures what the objective itself would give each
+        image (its gap to the one-pass map is the amortization gap), not a method to serve. A step costs
+        ``2 x (n_fractions - 2)`` classifier passes with backward per image.
+
+        Args:
+            x: (B, 3, H, W) images in [0, 1]; target: (B,) classes (``None``: the predicted ones).
+            steps: Adam steps (>= 0); record: step counts (each in [0, steps]) whose maps are returned too.
+            lr: Adam step size, in standard deviations of the initial map; seed: the grid draws (None:
+                ``config.seed``).
+
+        Returns:
+            ``{step: (B, H, W) float32 maps}`` for every step in ``record`` and for ``steps``.
+        """
+        check_int_at_least(steps, "steps", 0)
+        wanted = sorted({*(check_int(s, "record") for s in record), steps})
+        if wanted[0] < 0 or wanted[-1] > steps:
+            raise ValueError(f"record must hold step counts in [0, {steps}], got {list(record)!r}")
+        check_positive(lr, "lr")
+        if x.ndim != 4 or x.shape[1] != 3 or not x.is_floating_point():
+            raise ValueError(f"x must be float images (B, 3, H, W), got {tuple(x.shape)} {x.dtype}")
+        cfg = self.config.resolved((x.shape[-2], x.shape[-1]))
+        x = x.float().to(self.device)
+        gen = _as_generator(cfg.seed if seed is None else seed)
+        with torch.no_grad():
+            if target is None:
+                target = self.classifier(x).argmax(dim=1)
+            target = target.to(self.device)
+            maps = standardise_maps(self(x, target).float())
+            reference = reference_image(x, "mean", self.classifier.norm_mean)
+            ends = target_probabilities(self.classifier, torch.stack((x, reference), dim=1), target, amp=cfg.amp)
+        fractions = torch.linspace(0, 1, cfg.n_fractions, device=x.device)
+        lo, hi = cfg.grid_range  # type: ignore[misc]
+        free = nn.Parameter(maps.clone())
+        optimizer = torch.optim.Adam([free], lr=lr)
+        out = {0: maps.clone()} if 0 in wanted else {}
+        with torch.enable_grad():
+            for step in range(1, steps + 1):
+                grid = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+                offset = tuple(torch.rand(2, generator=gen).tolist()) if cfg.random_offset else (0.0, 0.0)
+                result = soft_auc_loss(
+                    self.classifier, x, free, target, reference, grid=grid, fractions=fractions, tau=cfg.tau_end,
+                    offset=offset, noise=0.0, endpoints=(ends[:, 0], ends[:, 1]), **cfg.loss_kwargs(),
+                )  # fmt: skip
+                optimizer.zero_grad(set_to_none=True)
+                (result.loss * x.shape[0]).backward()  # the sum of the per-image objectives (see _refine)
+                optimizer.step()
+                if step in wanted:
+                    out[step] = free.detach().clone()
+        return out
 
     # ------------------------------------------------------------------------------------------------------------
     # Training
