@@ -522,7 +522,6 @@ def evaluate(
     at_chance = chance_level(logits, labels)
     if at_chance is not None:
         warnings.warn(at_chance, ChanceLevelWarning, stacklevel=2)
-
     warn_slow_metrics(explainers, settings, (x.shape[-2], x.shape[-1]), len(x))
     tick = step or (lambda name: None)
     rows: list[dict[str, float | str]] = []

@@ -24,12 +24,9 @@ Options: the class's constructor arguments beyond model / layers / reshape (``ba
 ``ratio_channels_to_ablate`` of AblationCAM, ``k`` of FEM, ``kernel`` / ``gamma`` of KPCA_CAM), ScoreCAM's
 ``batch_size`` (an attribute the library reads, default 16), and the call's ``aug_smooth`` / ``eigen_smooth``.
 
-Normalisation: the maps are returned as the library computes them - ReLU, each map min-max scaled to [0, 1] on the
-layer's grid, then resized to the input with OpenCV's bilinear ``cv2.resize`` - so ``gradcam:GradCAM`` equals
-``pytorch_grad_cam.GradCAM`` exactly. The scale is the library's: the per-layer rescale happens inside its call,
-before its multi-layer aggregation, so undoing it would mean re-implementing the library rather than wrapping it.
-A map whose ReLU leaves nothing (or a 1 x 1 layer grid) is all zeros. Pixel-ranking metrics do not see the
-rescale; to compare magnitudes across images use the project's ``grad-cam``. The library computes in host NumPy.
+Normalisation: the library's own (ReLU, min-max to [0, 1] per map on the layer's grid inside its call, OpenCV's
+bilinear resize), so ``gradcam:GradCAM`` equals ``pytorch_grad_cam.GradCAM`` exactly; to compare magnitudes across
+images use the project's ``grad-cam``. A map whose ReLU leaves nothing (or a 1 x 1 grid) is all zeros.
 """
 
 from __future__ import annotations

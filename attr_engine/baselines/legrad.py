@@ -22,14 +22,11 @@ open_clip ViT ported to timm. The score s^l goes through the model's own norm, p
 classifier's logit (checked on every call); the official CLIP path mean-pools every layer's tokens instead
 (docs/deviations.md lists this and the other differences).
 
-The weights are read by hooks that act only on this thread's calls
-(:func:`~attr_engine.baselines._vit_attention.captured_attention`): where every timm attention module applies
-``attn_drop`` to the softmax (the fused kernel off for the call), and for torchvision's ``nn.MultiheadAttention`` and
-transformers' ``ViTAttention`` by recomputing the module's output from its weights; all come off in ``finally``.
-The hook hands the block its weights as a fresh leaf tensor: the same values, and the gradient of s^l w.r.t. that
-leaf is d s^l / d A^l, since s^l depends on A^l only through what follows it; nothing before a block needs a graph.
-``tests/test_legrad.py`` checks the torchvision and transformers paths against the timm one on a timm ViT given the
-same weights.
+Hooks read the weights for this thread's calls only
+(:func:`~attr_engine.baselines._vit_attention.captured_attention`; timm through ``attn_drop`` with the fused kernel
+off, torchvision and transformers by recomputing the module's output from its weights) and come off in ``finally``.
+Each block gets its weights as a fresh leaf, whose gradient is d s^l / d A^l. ``tests/test_legrad.py`` checks the
+torchvision and transformers paths against the timm one on a timm ViT given the same weights.
 """
 
 from __future__ import annotations
