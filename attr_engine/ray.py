@@ -474,25 +474,31 @@ def plan_actors(actors: int, gpus_per_actor: float | None, device: str, *, stric
 
 
 # Ray's wrappers of an actor's error: the actor's own exception is the one inside them.
-_RAY_WRAPPERS = ("RayError", "RayTaskError", "RayActorError", "UserCodeException", "RayDataUserCodeException")
+_RAY_WRAPPERS = ("RayError", "RayTaskError", "RayActorError", "UserCodeException", "RayDataUserCodeException",
+                 "SystemException", "ActorDiedError")  # fmt: skip
+
+
+def _is_ray_error(err: BaseException) -> bool:
+    """An exception of Ray's own (``ray.exceptions``, ``ray.data.exceptions``, a task error's dynamic class)."""
+    return type(err).__module__.split(".")[0] == "ray"
 
 
 def _one_line(err: BaseException) -> tuple[str, str]:
     """The class name and message of the error an actor raised, out of Ray's wrapping (task, Ray Data user-code and
-    actor-death errors: the actor's exception object where Ray kept it, else the last line of its traceback that
-    names an exception other than Ray's own)."""
+    system errors, actor deaths): the actor's exception object where Ray kept it, else the last line of Ray's text
+    that names an exception other than Ray's own."""
     import re
 
-    import ray
-
-    inner: BaseException | None = err
-    for _ in range(8):  # Ray's wrappers, innermost last
-        if not isinstance(inner, ray.exceptions.RayError):
+    chain = [err]
+    while _is_ray_error(chain[-1]) and len(chain) < 8:
+        inner = getattr(chain[-1], "cause", None) or chain[-1].__cause__ or chain[-1].__context__
+        if not isinstance(inner, BaseException):
             break
-        inner = getattr(inner, "cause", None) or inner.__cause__
-    if inner is not None and not isinstance(inner, ray.exceptions.RayError):
+        chain.append(inner)
+    if not _is_ray_error(chain[-1]):
+        inner = chain[-1]
         return type(inner).__name__, " ".join(str(inner).split()) or type(inner).__name__
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # Ray colours the actor's name
+    text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(str(e) for e in chain))  # Ray colours the actor's name
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for line in reversed(lines):
         match = re.match(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception))(?:\(\w+\))?: (.+)$", line)
@@ -550,7 +556,6 @@ def explain_items(
 
 def _rows(ds: ray.data.Dataset, items: list[Item], job: AttributionJob) -> Iterator[ItemResult]:
     """The job's output rows as ItemResults, each input once; an actor's failure as one line."""
-    import ray
     import torch
 
     seen: set[int] = set()
@@ -560,7 +565,9 @@ def _rows(ds: ray.data.Dataset, items: list[Item], job: AttributionJob) -> Itera
             row = next(rows)
         except StopIteration:
             return
-        except ray.exceptions.RayError as err:  # Ray Data's UserCodeException and actor deaths are RayErrors
+        except Exception as err:  # Ray's task, user-code and system errors, actor deaths
+            if not _is_ray_error(err):
+                raise
             kind, message = _one_line(err)
             # The actor's own line, as the local engine would print it for the same error.
             raise RemoteWorkerError(message, kind) from None

@@ -202,6 +202,13 @@ def test_an_image_size_the_model_cannot_take_is_refused_first(
     assert message in _error_line(capsys)
 
 
+def test_train_classifier_bounds_its_image_size_before_reading_data(tmp_path, capsys):
+    args = ["train-classifier", "--img-size", "100000", "--num-images", "4", "--epochs", "1", "--out",
+            str(tmp_path / "clf"), "--no-progress"]  # fmt: skip
+    assert main(args) == 2
+    assert "--img-size must be between 1 and 4096" in _error_line(capsys)
+
+
 def test_train_aha_on_the_meta_device_says_so(checkpoint, tmp_path, capsys):
     """Issue #34.1: train-aha --device meta said "move it to the classifier's device (meta)"."""
     args = ["train-aha", "--classifier", str(checkpoint), "--num-images", "4", "--img-size", "32", "--device", "meta",

@@ -177,14 +177,16 @@ def run_leaderboard(
 
     total = len(methods) * (1 + len(metrics))
     with tqdm(total=total, desc="evaluate", unit="step", disable=not progress, dynamic_ncols=True) as bar:
+        started = [0]  # steps begun: each one begun after the first means the one before it is done
 
         def step(name: str) -> None:
-            if bar.n or bar.postfix:  # the step before this one is done
+            if started[0]:
                 bar.update(1)
+            started[0] += 1
             bar.set_postfix_str(name)
 
         board = evaluate(classifier, methods, data, metrics, step=step, **kwargs)
-        bar.update(total - bar.n)
+        bar.update(max(0, total - started[0] + 1))  # the last step
         return board
 
 
