@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import io
 import json
 import logging
@@ -534,6 +535,8 @@ def build_app(job: AttributionJob, settings: ServeSettings) -> serve.Application
         # Room for a batch being computed and the next one forming.
         max_ongoing_requests=2 * settings.max_batch_size,
         logging_config={"log_level": "WARNING", "enable_access_log": False},
+        # A replica that cannot build (a checkpoint changed since the command checked it) fails the start soon.
+        max_constructor_retry_count=3,
     )(ModelServer)
     return deployment.bind(job, settings)
 
@@ -568,6 +571,9 @@ def start_server(
     except (ray.exceptions.RayError, RuntimeError) as err:
         from attr_engine.ray import RemoteWorkerError
 
+        # serve.run says only that the deployment failed; Serve's status holds the replica's own error.
+        with contextlib.suppress(Exception):
+            err = RuntimeError(serve.status().applications[APP].deployments["ModelServer"].message or str(err))
         raise RemoteWorkerError(f"the server failed to start: {_last_error_line(err)}") from None
     local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"http://{local if ':' not in local else f'[{local}]'}:{port}/v1/models/{settings.name}"
