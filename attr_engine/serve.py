@@ -300,8 +300,8 @@ class _Row:
 
 @dataclass
 class _Answer:
-    target: int
-    probability: float
+    target: int | None  # None: the batch failed before any class was known
+    probability: float | None
     map: np.ndarray | None = None  # (h, w) float32 in the output frame; None for :predict
     error: str | None = None
 
@@ -360,7 +360,8 @@ class ModelServer:
             return JSONResponse({"error": str(err)}, status_code=err.status)
         except Exception as err:  # a bug or an exhausted resource: this request fails, the replica stays
             logger.exception("request %s %s failed", method, path)
-            return JSONResponse({"error": f"internal error: {type(err).__name__}: {err}"[:300]}, status_code=500)
+            line = " ".join(f"internal error: {type(err).__name__}: {err}".split())[:300]
+            return JSONResponse({"error": line}, status_code=500)
 
     async def _body(self, request: Request) -> bytes:
         """The request body, read no further than ``max_request_bytes``."""
@@ -384,14 +385,16 @@ class ModelServer:
         """``:explain`` or ``:predict``: every instance checked and decoded, then batched; one entry per instance."""
         instances = _instances(await self._body(request), self.settings)
         rows = await asyncio.to_thread(self._rows, instances, explain)
-        answers = await asyncio.gather(*(self._batch(row) for row in rows if not isinstance(row, InstanceError)))
-        done = iter(answers)
-        entries = [self._entry(row if isinstance(row, InstanceError) else next(done), explain) for row in rows]
-        errors = [(i, row) for i, row in enumerate(rows) if isinstance(row, InstanceError)]
-        if len(errors) == len(rows):  # nothing to answer: the request itself is bad
-            i, err = errors[0]
-            more = f" (and {len(errors) - 1} more bad instances)" if len(errors) > 1 else ""
-            raise InstanceError(f"instance {i}: {err}{more}", err.status)
+        answers = iter(await asyncio.gather(*(self._batch(r) for r in rows if not isinstance(r, InstanceError))))
+        results = [row if isinstance(row, InstanceError) else next(answers) for row in rows]
+        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, InstanceError) or r.error is not None]
+        if len(failed) == len(results):  # nothing to answer: the request is bad (4xx) or the method failed (500)
+            i, first = failed[0]
+            status = first.status if isinstance(first, InstanceError) else 500
+            reason = first if isinstance(first, InstanceError) else first.error
+            more = f" (and {len(failed) - 1} more failed instances)" if len(failed) > 1 else ""
+            raise InstanceError(f"instance {i}: {reason}{more}", status)
+        entries = [self._entry(result, explain) for result in results]
         return JSONResponse({"explanations" if explain else "predictions": entries})
 
     def _rows(self, instances: Sequence[Any], explain: bool) -> list[_Row | InstanceError]:
@@ -419,7 +422,7 @@ class ModelServer:
                         "error": error}  # fmt: skip
             return {"class": None, "probability": None, "name": None, "error": error}
         if not explain:
-            name = self.names.get(answer.target)
+            name = self.names.get(answer.target) if answer.target is not None else None
             return {"class": answer.target, "probability": answer.probability, "name": name, "error": None}
         assert answer.map is not None  # an explained row without error has its map
         try:
@@ -439,7 +442,7 @@ class ModelServer:
         except Exception as err:  # the whole batch failed (a bug, memory): each of its requests says so
             logger.exception("a batch of %d instances failed", len(rows))
             line = f"internal error: {type(err).__name__}: {' '.join(str(err).split())}"[:300]
-            return [_Answer(-1, math.nan, error=line) for _ in rows]
+            return [_Answer(None, None, error=line) for _ in rows]
 
     def _compute(self, rows: list[_Row]) -> list[_Answer]:
         """Answers for ``rows``: predictions from the classifier alone, maps in groups of predicted and given
