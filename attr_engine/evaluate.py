@@ -2,7 +2,7 @@
 same targets, and time them.
 
     board = evaluate(classifier, {"AHA": aha_explainer, "gradient": "gradient"}, (x, labels, masks))
-    print(leaderboard_markdown(board)); write_leaderboard_csv(board, "board.csv")  # from attr_engine.report
+    print(board.to_markdown()); board.to_csv("board.csv")  # figures: attr_engine.report.write_report(board, dir)
 
 Metrics (name: direction, what is computed with which settings):
 
@@ -17,16 +17,13 @@ Metrics (name: direction, what is computed with which settings):
 | random_logit_ssim | lower | Quantus' default SSIM of the flattened maps, per-map max normalisation |
 | pointing_game, energy_pointing_game, mask_iou | higher | need object masks (mask_iou: IoU of the top-k% pixels) |
 
-Infidelity patches of H/4 and H/2 are the SP paper's 56 and 112 px at 224 px; both infidelities compare logits.
-
 Each method is scored the way its authors score it: pixel-ranking metrics (deletion, insertion, pos, neg, pointing
 games) use the map its ``ranking_reduce`` declares (the Semantic Pullback: mean |value| over channels, see
 :data:`~attr_engine.pullback.PULLBACK_RANKING_SOURCE`; every other method: its own map), and the infidelities
 use the signed per-channel attribution of methods that declare ``infidelity_per_channel`` (gradient, gradient x
 input, Integrated Gradients, the pullbacks, DeepLift, ``captum:...``), broadcasting the map otherwise. The
-``ranked by`` column says which map was ranked. With ``extra_rankings=True``, methods that
-declare some (the pullbacks: ``"input"``, i.e. ``sum_c pullback_c (x_c - mean colour_c)``, and the signed channel
-mean) get extra rows with the deletion / insertion of those maps.
+``ranked by`` column says which map was ranked; ``extra_rankings=True`` adds rows for the extra rankings methods
+declare (the pullbacks: ``"input"``, ``sum_c pullback_c (x_c - mean colour_c)``, and the signed channel mean).
 
 Every random metric draws from a generator seeded with ``seed`` for each method, so all methods see the same noise.
 Metric settings can be overridden per metric: ``metrics={"infidelity": {"n_samples": 10}, "deletion": {}}``.
@@ -34,13 +31,18 @@ Metric settings can be overridden per metric: ``metrics={"infidelity": {"n_sampl
 
 from __future__ import annotations
 
+import math
+import os
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from attr_engine.checkpoint import atomic_write
 from attr_engine.classifier import Classifier
 from attr_engine.explainer import Explainer, FunctionExplainer, get_explainer, reduce_channels, resolve_baselines
 from attr_engine.metrics import (
@@ -53,9 +55,10 @@ from attr_engine.metrics import (
     random_logit,
     top_k_mask_iou,
 )
+from attr_engine.tables import csv_text, markdown_table
 from kernels._validate import check_int_at_least
 
-__all__ = ["DEFAULT_METRICS", "METRICS", "Leaderboard", "MetricSpec", "evaluate"]
+__all__ = ["DEFAULT_METRICS", "METRICS", "ChanceLevelWarning", "Leaderboard", "MetricSpec", "chance_level", "evaluate"]
 
 
 @dataclass
@@ -86,6 +89,22 @@ class MetricSpec:
     compute: Callable[..., torch.Tensor]
     needs_masks: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    # Classifier passes per image, estimated from (height, width, the method's passes per map, settings): the
+    # cost warning of evaluate(). None: a few passes, never slow.
+    passes: Callable[..., int] | None = None
+
+
+def _infidelity_passes(height: int, width: int, method_passes: int, **kwargs: Any) -> int:
+    """One pass per patch (the replacements are cumulative) per patch size, per sample of a random baseline."""
+    side = min(height, width)
+    sizes = kwargs.get("patch_sizes") or (max(1, side // 4), max(1, side // 2))
+    patches = sum(math.ceil(height / p) * math.ceil(width / p) for p in sizes)
+    return patches * (int(kwargs.get("n_samples", 10)) if kwargs.get("baseline", "black") == "uniform" else 1)
+
+
+def _explainer_passes(height: int, width: int, method_passes: int, **kwargs: Any) -> int:
+    """A map of the method per noisy sample (max-sensitivity) or per other class (random logit)."""
+    return method_passes * int(kwargs.get("n_samples", 1))
 
 
 def _deletion_insertion(ctx: _Context, key: str, **kwargs: Any) -> torch.Tensor:
@@ -139,11 +158,28 @@ METRICS: dict[str, MetricSpec] = {
             "lower",
             _infidelity,
             defaults={"scaling": "optimal", "baseline": "uniform", "uniform_range": (0.0, 1.0), "n_samples": 5},
+            passes=_infidelity_passes,
         ),
-        MetricSpec("infidelity_quantus", "lower", _infidelity, defaults={"patch_sizes": (4,), "n_samples": 10}),
-        MetricSpec("max_sensitivity", "lower", _max_sensitivity, defaults={"radius": 0.02, "n_samples": 10}),
-        MetricSpec("random_logit", "lower", _random_logit, defaults={"similarity": "pearson"}),
-        MetricSpec("random_logit_ssim", "lower", _random_logit, defaults={"similarity": "ssim"}),
+        MetricSpec(
+            "infidelity_quantus",
+            "lower",
+            _infidelity,
+            defaults={"patch_sizes": (4,), "n_samples": 10},
+            passes=_infidelity_passes,
+        ),
+        MetricSpec(
+            "max_sensitivity",
+            "lower",
+            _max_sensitivity,
+            defaults={"radius": 0.02, "n_samples": 10},
+            passes=_explainer_passes,
+        ),
+        MetricSpec(
+            "random_logit", "lower", _random_logit, defaults={"similarity": "pearson"}, passes=_explainer_passes
+        ),
+        MetricSpec(
+            "random_logit_ssim", "lower", _random_logit, defaults={"similarity": "ssim"}, passes=_explainer_passes
+        ),
         MetricSpec("pointing_game", "higher", _localisation(pointing_game), needs_masks=True),
         MetricSpec("energy_pointing_game", "higher", _localisation(energy_pointing_game), needs_masks=True),
         MetricSpec("mask_iou", "higher", _localisation(top_k_mask_iou), needs_masks=True),
@@ -158,6 +194,9 @@ DEFAULT_METRICS: tuple[str, ...] = (
     "pointing_game",
 )
 TIME_COLUMN = "ms/image"
+# A metric that makes more classifier passes than this for one method over all the images is announced before it
+# runs (evaluate()'s cost warning): on a CPU at 224 px that is minutes.
+SLOW_METRIC_PASSES = 5_000
 RANKED_BY_COLUMN = "ranked by"
 # Metrics whose score depends only on the order of the pixels under the map (they use the ranking map).
 RANKING_METRICS = frozenset(
@@ -172,6 +211,56 @@ _RANKING_NAMES: dict[str | None, str] = {
     "abs-sum": "sum abs",
     "input": "x·(x−r)",
 }
+
+# The same reductions in words, for the notes under a table.
+_RANKING_WORDS: dict[str | None, str] = {
+    "mean": "the mean of its colour channels",
+    "sum": "the sum of its colour channels",
+    "max": "the largest of its colour channels",
+    "abs": "the mean absolute value of its colour channels",
+    "abs-sum": "the summed absolute value of its colour channels",
+    "norm": "the length of its colour-channel vector",
+    "input": "its colour channels times the image's distance from the mean colour",
+}
+
+
+class ChanceLevelWarning(UserWarning):
+    """The classifier's accuracy on labelled images, or its confidence, is at chance: maps of such a classifier
+    explain an untrained or mismatched model, and a leaderboard over them ranks noise."""
+
+
+def chance_level(logits: torch.Tensor, labels: torch.Tensor | None = None) -> str | None:
+    """A sentence saying the classifier is at chance on these images, or None when it is not.
+
+    With labels: the accuracy lies within two binomial standard errors of chance, ``1/K + 2 sqrt(p (1 - p) / N)``
+    with ``p = 1/K`` (so a handful of images never passes for chance by luck, and 60 % on 5 classes never warns).
+    Without: the mean top-1 probability is under ``1.5 / K``, predictions close to uniform (an untrained head).
+
+    Args:
+        logits: (N, K) the classifier's logits on the images.
+        labels: (N,) their classes, or None; entries below 0 (unlabelled) are left out.
+    """
+    n, k = logits.shape
+    if n == 0 or k < 2:
+        return None
+    chance = 1.0 / k
+    if labels is not None and bool((labels >= 0).any()):
+        known = labels >= 0
+        count = int(known.sum())
+        accuracy = float((logits.argmax(dim=1)[known] == labels[known]).float().mean())
+        if accuracy <= chance + 2 * (chance * (1 - chance) / count) ** 0.5:
+            return (
+                f"the classifier's accuracy on these {count} labelled images is {accuracy:.1%}, chance is {chance:.1%}"
+                f" ({k} classes): its maps explain an untrained or mismatched model"
+            )
+        return None
+    confidence = float(logits.float().softmax(dim=1).amax(dim=1).mean())
+    if confidence < 1.5 * chance:
+        return (
+            f"the classifier's mean confidence on these {n} images is {confidence:.1%}, chance is {chance:.1%} "
+            f"({k} classes): its maps explain an untrained or mismatched model"
+        )
+    return None
 
 
 @dataclass
@@ -210,6 +299,22 @@ class Leaderboard:
         if metric not in self.columns[2:]:
             raise ValueError(f"unknown column {metric!r}; columns: {', '.join(self.columns[2:])}")
         return {str(r["method"]): float(r[metric]) for r in self.rows if metric in r}
+
+    def to_markdown(self, digits: int = 3) -> str:
+        """The table in Markdown (best value of each column in bold, directions in the header), the title above
+        and the notes below."""
+        table = markdown_table(self.rows, self.columns, directions=self.directions, digits=digits, title=self.title)
+        return table + "".join(f"\n{note}\n" for note in self.notes)
+
+    def to_csv(self, path: str | os.PathLike[str] | None = None) -> str:
+        """The rows as CSV text (a header, then one line per row, floats at full precision); written atomically to
+        ``path`` (parents created) when one is given."""
+        text = csv_text(self.rows, self.columns)
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with atomic_write(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        return text
 
     def best(self, metric: str) -> str:
         """The method with the best mean score on ``metric`` (NaNs never win)."""
@@ -282,6 +387,50 @@ def _resolve_metrics(metrics: Sequence[str] | Mapping[str, Mapping[str, Any]]) -
     return resolved
 
 
+def _without_mask_metrics(settings: dict[str, dict[str, Any]], has_masks: bool, *, default: bool) -> dict[str, Any]:
+    """``settings`` without the metrics that need object masks when the data has none: dropped with one warning
+    from the default set (as ``attr-engine evaluate`` drops them on an image folder), refused when asked for."""
+    needing = [m for m in settings if METRICS[m].needs_masks]
+    if has_masks or not needing:
+        return settings
+    if not default:
+        raise ValueError(f"{', '.join(needing)} need object masks: pass data as (x, labels, masks)")
+    warnings.warn(
+        f"the data has no object masks: {', '.join(needing)} left out of the default metrics",
+        UserWarning,
+        stacklevel=3,
+    )
+    kept = {m: v for m, v in settings.items() if m not in needing}
+    if not kept:
+        raise ValueError("every metric needs object masks, and the data has none")
+    return kept
+
+
+def warn_slow_metrics(
+    explainers: Mapping[str, Explainer],
+    settings: Mapping[str, Mapping[str, Any]],
+    size: tuple[int, int],
+    images: int,
+) -> None:
+    """One warning per (method, metric) whose classifier passes over ``images`` images of ``size`` (H, W) exceed
+    :data:`SLOW_METRIC_PASSES`, naming the estimate and the settings that set it, before any of them runs."""
+    from attr_engine.baselines.cost import method_cost
+
+    for name, kwargs in settings.items():
+        estimate = METRICS[name].passes
+        if estimate is None:
+            continue
+        for label, explainer in explainers.items():
+            per_image = estimate(*size, method_cost(explainer, *size).passes, **kwargs)
+            if per_image * images > SLOW_METRIC_PASSES:
+                warnings.warn(
+                    f"{name} on {label}: about {per_image:,} classifier passes per image, {per_image * images:,} for "
+                    f"{images} image(s) at {size[0]} x {size[1]} px; this may take long (fewer images, a smaller "
+                    f"--img-size or a lighter metric are faster)",
+                    stacklevel=3,
+                )
+
+
 def _timed_maps(
     explainer: Explainer, x: torch.Tensor, target: torch.Tensor, batch_size: int
 ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
@@ -324,6 +473,7 @@ def evaluate(
     title: str = "",
     log: Callable[[str], None] | None = None,
     extra_rankings: bool = False,
+    step: Callable[[str], None] | None = None,
 ) -> Leaderboard:
     """Score every method on every metric over the same images.
 
@@ -334,13 +484,16 @@ def evaluate(
             callable ``fn(x, target) -> maps`` (mapping form only, to name it).
         data: ``(x, labels, masks)`` / ``(x, labels)`` / ``x`` tensors, a dataset with ``.tensors()`` (e.g.
             :class:`~attr_engine.data.ShapesDataset`), or a map-style dataset of such tuples.
-        metrics: metric names (see :data:`METRICS`) or ``{name: overrides of its settings}``.
+        metrics: metric names (see :data:`METRICS`) or ``{name: overrides of its settings}``. The default,
+            :data:`DEFAULT_METRICS`, leaves the pointing game out (one warning) when the data has no masks.
         target: explain and score the ``"pred"`` icted class (the AHA protocol) or the ``"label"``.
         batch_size: images per explainer call (timing and the explainer-based metrics use it).
         seed: seeds every random metric, identically for every method.
         keep: how many images (and their maps) to keep for figures.
         title: caption stored on the result.
         log: called with a progress line per method.
+        step: called with ``"method: maps"`` / ``"method: metric"`` before each step (a progress bar's ticks: there
+            are ``len(methods) * (1 + len(metrics))``).
         extra_rankings: add a row per extra reduction a method declares (the pullbacks: ``x·(x−r)`` and the signed
             mean) with its deletion / insertion, after the method's row.
 
@@ -348,7 +501,7 @@ def evaluate(
         :class:`Leaderboard`.
 
     Raises:
-        ValueError: unknown metric or method names, localisation metrics without masks, ``target="label"``
+        ValueError: unknown metric or method names, localisation metrics asked for without masks, ``target="label"``
             without labels, bad data.
     """
     if not isinstance(classifier, Classifier):
@@ -360,22 +513,25 @@ def evaluate(
     x, labels, masks = _load_data(data, device)
     explainers = _resolve_methods(classifier, methods)
     settings = _resolve_metrics(metrics)
-    if masks is None and any(METRICS[m].needs_masks for m in settings):
-        raise ValueError("pointing-game metrics need object masks: pass data as (x, labels, masks)")
-    if target == "label":
-        if labels is None:
-            raise ValueError("target='label' needs labels in data")
-        targets = labels
-    else:
-        with torch.no_grad():
-            targets = torch.cat([classifier(c).argmax(dim=1) for c in x.split(256)])
-
+    settings = _without_mask_metrics(settings, masks is not None, default=metrics is DEFAULT_METRICS)
+    if target == "label" and labels is None:
+        raise ValueError("target='label' needs labels in data")
+    with torch.no_grad():
+        logits = torch.cat([classifier(c) for c in x.split(256)])
+    targets = labels if target == "label" and labels is not None else logits.argmax(dim=1)
+    at_chance = chance_level(logits, labels)
+    if at_chance is not None:
+        warnings.warn(at_chance, ChanceLevelWarning, stacklevel=2)
+    warn_slow_metrics(explainers, settings, (x.shape[-2], x.shape[-1]), len(x))
+    tick = step or (lambda name: None)
     rows: list[dict[str, float | str]] = []
     board = Leaderboard(rows=rows, metrics=list(settings), directions={}, title=title)
     board.directions = {name: METRICS[name].direction for name in settings} | {TIME_COLUMN: "lower"}
     board.images = x[:keep].cpu()
+    board.notes += [at_chance[0].upper() + at_chance[1:] + "."] if at_chance is not None else []
     for label, explainer in explainers.items():
         start = time.perf_counter()
+        tick(f"{label}: maps")
         maps, channels, ms = _timed_maps(explainer, x, targets, batch_size)
         ranking, ranked_by = maps, None
         if channels is not None and explainer.ranking_reduce is not None:
@@ -388,6 +544,7 @@ def evaluate(
         ctx.cache.clear()
         for name, kwargs in settings.items():
             use = ranked if name in RANKING_METRICS else ctx
+            tick(f"{label}: {name}")
             per_image = METRICS[name].compute(use, **kwargs).detach().float().cpu()
             board.scores[label][name] = per_image
             finite = per_image[torch.isfinite(per_image)]
@@ -407,11 +564,11 @@ def evaluate(
             log(f"{label}: {scores} ({time.perf_counter() - start:.1f} s)")
         if ranked_by is not None:
             board.notes.append(
-                f"{label}: pixel-ranking metrics rank {_RANKING_NAMES.get(ranked_by, ranked_by)} over channels "
-                f"({explainer.ranking_source or 'declared by the method'})."
+                f"{label}: deletion, insertion and the pointing games rank the pixels by "
+                f"{_RANKING_WORDS.get(ranked_by, ranked_by)} (the ranking it is scored by), not by the map shown."
             )
         if per_channel is not None and any(m.startswith("infidelity") for m in settings):
-            board.notes.append(f"{label}: infidelity scores the signed per-channel attribution.")
+            board.notes.append(f"{label}: infidelity uses the signed attribution of each colour channel, not the map.")
         # Other readings of the same attribution, for deletion / insertion only (no time: the maps are reused).
         extra = [m for m in ("deletion", "insertion") if m in settings]
         wanted = extra_rankings and channels is not None and extra

@@ -1,7 +1,9 @@
 """The one protocol every attribution method follows, and the registry of methods by name.
 
 Every method - AHA, the Semantic Pullback, each baseline and any plugin - is an :class:`Explainer` called the way
-Captum's methods are: ``explainer.attribute(inputs, target=None, baselines=None, **options) -> (B, H, W)``. The base
+Captum's methods are: ``explainer.attribute(inputs, target=None, baselines=None, **options) -> (B, H, W)``, with
+``target`` and ``baselines`` also taken in Captum's IntegratedGradients order (:func:`captum_order`) and
+``reduce=None`` giving Captum's input-shaped (B, C, H, W) result for the per-channel methods. The base
 class does the work every method shares, once: it checks the images, merges and checks the options, resolves the
 targets (:func:`~attr_engine.classifier.resolve_targets`, the one resolver of the package), puts the model in eval
 mode, sets the grad mode and then calls the method's core, ``_attribute``.
@@ -17,6 +19,8 @@ entry point is loaded only when its name is asked for (or when a classifier filt
 from __future__ import annotations
 
 import collections.abc
+import contextlib
+import contextvars
 import copy
 import difflib
 import importlib
@@ -25,7 +29,7 @@ import math
 import types
 import typing
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, ClassVar, Literal, overload
@@ -40,17 +44,20 @@ from kernels._validate import check_tensor
 __all__ = [
     "ENTRY_POINT_GROUP",
     "NONFINITE_MAP",
+    "PERTURBATION_ALLOWANCE",
     "REDUCTIONS",
     "Explainer",
     "ExplainerSpec",
     "FunctionExplainer",
     "ImageRangeWarning",
     "UnknownExplainerError",
+    "captum_order",
     "coerce_option",
     "explain_batch",
     "explain_batch_with_probability",
     "finite_maps",
     "get_explainer",
+    "image_range_check",
     "list_explainers",
     "list_methods",
     "option_type",
@@ -256,32 +263,107 @@ class ImageRangeWarning(UserWarning):
     """Float images with values above 1: explainers take images in [0, 1], not 0..255 pixel values."""
 
 
+def _only_a_reference(value: Any) -> bool:
+    """Whether ``value`` can only be a baseline, never a target: a floating tensor, a float or a reference name
+    (targets are integer class indices; :func:`~attr_engine.classifier.resolve_targets` refuses anything else)."""
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point()
+    return isinstance(value, float | str)
+
+
+def captum_order(
+    name: str, target: Any, baselines: Any, takes_baselines: bool = True
+) -> tuple[int | Sequence[int] | torch.Tensor | None, Any]:
+    """``(target, baselines)`` from the two arguments after the images, in either order.
+
+    attr-engine's order is ``attribute(inputs, target, baselines)`` (Captum's for Saliency, InputXGradient, Grad-CAM:
+    ``(inputs, target)``); Captum's IntegratedGradients, DeepLift, DeepLiftShap, FeatureAblation, ShapleyValueSampling,
+    Lime and KernelShap take ``attribute(inputs, baselines, target)``. A target is always integer class indices and
+    a baseline never is, so the two orders are told apart by value: a floating tensor, a float or a reference name
+    in the target's place is the baseline, and the argument after it the target. Two integers stay in attr-engine's
+    order, and an integer baseline outside the images' [0, 1] range is refused as the likely class index of a
+    Captum-order call (``attribute(x, 0, 3)``: write ``0.0`` or ``target=3``). A method that takes no baseline
+    (``takes_baselines=False``) gets its arguments as given: Captum's classes without one take ``(inputs, target)``.
+    """
+    if not takes_baselines:
+        return target, baselines
+    if _only_a_reference(target):
+        if baselines is not None and _only_a_reference(baselines):
+            raise ValueError(
+                f"{name}: target must hold integer class indices, got a {_kind(target)} and then a "
+                f"{_kind(baselines)}; the order is attribute(inputs, target, baselines) or Captum's "
+                "attribute(inputs, baselines, target)"
+            )
+        return baselines, target
+    if isinstance(baselines, int) and not isinstance(baselines, bool) and not 0 <= baselines <= 1:
+        raise ValueError(
+            f"{name}: baselines={baselines} is an integer outside the images' [0, 1] range: in Captum's order "
+            "attribute(inputs, baselines, target) write the baseline as a float (0.0) or pass target= by keyword; "
+            "attr-engine's order is attribute(inputs, target, baselines)"
+        )
+    return target, baselines
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
 # Above this, a float image is not a [0, 1] image: a noise perturbation of one (max-sensitivity adds at most its
 # radius, 0.02) or the ringing of a bicubic resize overshoots 1 by far less; 0..255 pixels or normalised images
 # (max about 2.6) do not.
 RANGE_WARNING_ABOVE = 1.1
 _range_warned = False  # warned once per process: a run over a folder of such images says it once, not per batch
+# How far images may leave [0, 1] without a warning beyond RANGE_WARNING_ABOVE's margin: 0 for a caller's images;
+# more while explaining noisy copies of them (Quantus' perturbations), which also warn below zero then.
+_range_allowance: contextvars.ContextVar[float] = contextvars.ContextVar("attr_engine_range_allowance", default=0.0)
+
+# Quantus' perturbations of [0, 1] images: MaxSensitivity's and AvgSensitivity's uniform noise of radius 0.2 and
+# LocalLipschitzEstimate's Gaussian of std 0.1 (about 0.5 at the extreme of a 224 px image) stay well inside this;
+# 0..255 pixels do not, nor normalised images (about -2.1 to 2.6 for ImageNet statistics) with their darkest or
+# brightest pixels.
+PERTURBATION_ALLOWANCE = 1.0
+
+
+@contextlib.contextmanager
+def image_range_check(allowance: float) -> Iterator[None]:
+    """Widen the :class:`ImageRangeWarning` check by ``allowance`` for the explainer calls inside the block (this
+    thread or task only): images then warn above ``1.1 + allowance`` or below ``-0.1 - allowance``.
+    :func:`~attr_engine.adapters.quantus_explain_func` explains Quantus' noisy copies of the caller's images with
+    :data:`PERTURBATION_ALLOWANCE`."""
+    if not allowance >= 0:
+        raise ValueError(f"allowance must be >= 0, got {allowance}")
+    token = _range_allowance.set(float(allowance))
+    try:
+        yield
+    finally:
+        _range_allowance.reset(token)
 
 
 def _check_values(x: torch.Tensor) -> None:
     """Refuse NaN / inf in the images and, the first time in a process, warn when their maximum says they are not
     in [0, 1]: a [0, 255] image is not an error to the classifier (it normalises whatever it gets), so without a
-    word the maps would explain a saturated image. Both come from one transfer to the host."""
+    word the maps would explain a saturated image. One transfer to the host for all of it. Inside
+    :func:`image_range_check` the bounds widen and the minimum is checked too (a noisy copy is not exact)."""
     global _range_warned
     if x.numel() == 0:
         return
+    allowance = _range_allowance.get()
     if _range_warned:
-        finite = bool(torch.isfinite(x).all())
-        peak = 0.0
+        finite, peak, low = bool(torch.isfinite(x).all()), 0.0, 0.0
     else:
-        both = torch.stack([torch.isfinite(x).all().to(torch.float32), x.detach().amax().float()]).tolist()
-        finite, peak = bool(both[0]), float(both[1])
+        probe = x.detach()
+        stats = torch.stack([torch.isfinite(probe).all().float(), probe.amax().float(), probe.amin().float()])
+        finite, peak, low = bool(stats[0]), *(float(v) for v in stats[1:].tolist())
     if not finite:
         raise ValueError("x contains NaN or infinite values")
-    if peak > RANGE_WARNING_ABOVE:
+    below = allowance > 0 and low < 1 - RANGE_WARNING_ABOVE - allowance
+    if peak > RANGE_WARNING_ABOVE + allowance or below:
         _range_warned = True
+        reach = f"go down to {low:g}" if below else f"reach {peak:g}"
         warnings.warn(
-            f"the images reach {peak:g}, but explainers take float images in [0, 1] (divide 0..255 pixels by 255; "
+            f"the images {reach}, but explainers take float images in [0, 1] (divide 0..255 pixels by 255; "
             "do not normalise them, the classifier does): their maps explain saturated images",
             ImageRangeWarning,
             stacklevel=3,
@@ -419,7 +501,7 @@ class Explainer:
     def attribute(
         self,
         inputs: torch.Tensor,
-        target: int | Sequence[int] | torch.Tensor | None = ...,
+        target: int | Sequence[int] | torch.Tensor | float | str | None = ...,
         baselines: Any = ...,
         *,
         reduce: str | None = ...,
@@ -431,7 +513,7 @@ class Explainer:
     def attribute(
         self,
         inputs: torch.Tensor,
-        target: int | Sequence[int] | torch.Tensor | None = ...,
+        target: int | Sequence[int] | torch.Tensor | float | str | None = ...,
         baselines: Any = ...,
         *,
         reduce: str | None = ...,
@@ -443,7 +525,7 @@ class Explainer:
     def attribute(
         self,
         inputs: torch.Tensor,
-        target: int | Sequence[int] | torch.Tensor | None = ...,
+        target: int | Sequence[int] | torch.Tensor | float | str | None = ...,
         baselines: Any = ...,
         *,
         reduce: str | None = ...,
@@ -454,7 +536,7 @@ class Explainer:
     def attribute(
         self,
         inputs: torch.Tensor,
-        target: int | Sequence[int] | torch.Tensor | None = None,
+        target: int | Sequence[int] | torch.Tensor | float | str | None = None,
         baselines: Any = None,
         *,
         reduce: str | None = _KEEP,
@@ -462,20 +544,23 @@ class Explainer:
         return_convergence_delta: bool = False,
         **options: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attribution maps.
+        """Attribution maps: (B, H, W) by default, or Captum's input-shaped (B, C, H, W) with ``reduce=None``.
+
+        Methods that take a baseline take ``target`` and ``baselines`` in either order: ``attribute(x, target,
+        baselines)`` or Captum's ``attribute(x, baselines, target)`` of IntegratedGradients, DeepLift and the
+        ablation methods (see :func:`captum_order`: a target is integer classes, a baseline never is).
 
         Args:
-            inputs: (B, 3, H, W) images in [0, 1], on the classifier's device, any floating dtype (cast to the
-                classifier's). Values above 1.1 (0..255 pixels, normalised images) give one
-                :class:`ImageRangeWarning` per process.
-            target: class per image (int, sequence or (B,) tensor); ``None`` explains the predicted class.
-                Resolved by :func:`~attr_engine.classifier.resolve_targets`: booleans, floats, a wrong length or
-                a class out of range are a ValueError.
+            inputs: (B, 3, H, W) images in [0, 1] on the classifier's device, any floating dtype; values above
+                1.1 (0..255 pixels, normalised images) give one :class:`ImageRangeWarning` per process.
+            target: class per image (int, sequence or (B,) tensor); ``None`` explains the predicted class
+                (:func:`~attr_engine.classifier.resolve_targets`: a bool, wrong length or class is a ValueError).
             baselines: the reference of methods that use one (Integrated Gradients, occlusion, DeepLift, ...,
                 and ``reduce="input"``): a number, ``"black"``, ``"mean"``, ``"blur"`` or a tensor (3, H, W),
                 (1, 3, H, W) or (B, 3, H, W). None: the construction-time value, else the method's default.
             reduce: for per-channel methods, how channels become one value per pixel (see :func:`reduce_channels`);
-                None returns the (B, C, H, W) attribution. Default: the method's ``display_reduce``.
+                None returns the (B, C, H, W) attribution Captum's class returns. Default: the method's
+                ``display_reduce`` (sum, mean or max-abs over channels, per method).
             keepdim: return (B, 1, H, W) instead of (B, H, W).
             return_convergence_delta: also return Captum's (B,) convergence delta (methods that have one).
             options: per-call overrides of the method's options (see ``options``).
@@ -491,6 +576,8 @@ class Explainer:
             ValueError: bad images, target, baselines, reduction or options.
         """
         x = inputs
+        # Captum's classes that take a baseline take it first; those that take none take (inputs, target).
+        target, baselines = captum_order(self.name, target, baselines, self.takes_baselines or reduce == "input")
         opts = self._merge_options(self.defaults, options) if options else self.defaults
         needs_grad = self._needs_grad(opts)
         if torch.is_inference_mode_enabled() and needs_grad:

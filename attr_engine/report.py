@@ -20,14 +20,14 @@ process-wide backend, and no display is needed.
 
 from __future__ import annotations
 
-import csv
-import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from attr_engine.tables import csv_text, markdown_table
 
 if TYPE_CHECKING:
     from attr_engine.evaluate import Leaderboard
@@ -44,70 +44,6 @@ __all__ = [
     "write_report",
 ]
 
-_ARROWS = {"lower": "↓", "higher": "↑"}
-
-
-def _format(value: Any, digits: int) -> str:
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if value != 0 and (abs(value) >= 10 ** (digits + 2) or abs(value) < 10**-digits):
-            return f"{value:.{digits}g}"
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def markdown_table(
-    rows: Sequence[Mapping[str, Any]],
-    columns: Sequence[str] | None = None,
-    *,
-    directions: Mapping[str, str] | None = None,
-    digits: int = 3,
-    bold_best: bool = True,
-    title: str = "",
-) -> str:
-    """A Markdown table of row dicts.
-
-    Args:
-        rows: one mapping per table row.
-        columns: column order; None takes the keys of the first row.
-        directions: ``{column: "lower" | "higher"}``; such columns get an arrow in the header and, with
-            ``bold_best``, their best finite value in bold (ties all bold).
-        digits: decimals for floats (very large or small values use ``digits`` significant digits).
-        title: an optional line above the table.
-
-    Returns:
-        The table as a string ending in a newline.
-    """
-    if not rows:
-        raise ValueError("rows is empty")
-    columns = list(columns or rows[0].keys())
-    directions = dict(directions or {})
-    best: dict[str, float] = {}
-    for col in columns:
-        if col in directions and bold_best:
-            values = [float(r[col]) for r in rows if isinstance(r.get(col), int | float) and math.isfinite(r[col])]
-            if values:
-                best[col] = min(values) if directions[col] == "lower" else max(values)
-    header = [f"{c} {_ARROWS[directions[c]]}" if c in directions else c for c in columns]
-    lines = [f"**{title}**\n"] if title else []
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(columns)]
-    for r in rows:
-        cells = []
-        for c in columns:
-            v = r.get(c, "")
-            text = _format(v, digits)
-            if (
-                c in best
-                and isinstance(v, int | float)
-                and math.isfinite(v)
-                and _format(float(v), digits) == _format(best[c], digits)
-            ):
-                text = f"**{text}**"
-            cells.append(text)
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
 
 def write_markdown(text: str, path: str | os.PathLike[str]) -> Path:
     """Write Markdown text to ``path`` (parents created); returns the path."""
@@ -120,29 +56,25 @@ def write_markdown(text: str, path: str | os.PathLike[str]) -> Path:
 def write_csv(
     rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], columns: Sequence[str] | None = None
 ) -> Path:
-    """Write row dicts as CSV (header + one line per row, floats at full precision); returns the path."""
-    if not rows:
-        raise ValueError("rows is empty")
+    """Write row dicts as CSV (:func:`~attr_engine.tables.csv_text`) to ``path`` (parents created); returns it."""
+    text = csv_text(rows, columns)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    columns = list(columns or rows[0].keys())
-    with path.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    path.write_text(text, encoding="utf-8", newline="")
     return path
 
 
 def leaderboard_markdown(board: Leaderboard, digits: int = 3) -> str:
-    """A leaderboard as a Markdown table (best value of each column in bold, directions in the header), its title
-    above and its notes below."""
-    table = markdown_table(board.rows, board.columns, directions=board.directions, digits=digits, title=board.title)
-    return table + "".join(f"\n{note}\n" for note in board.notes)
+    """A leaderboard as a Markdown table: :meth:`Leaderboard.to_markdown
+    <attr_engine.evaluate.Leaderboard.to_markdown>`."""
+    return board.to_markdown(digits)
 
 
 def write_leaderboard_csv(board: Leaderboard, path: str | os.PathLike[str]) -> Path:
-    """Write a leaderboard's rows as CSV (one line per row, its columns in order); returns the path."""
-    return write_csv(board.rows, path, board.columns)
+    """Write a leaderboard's rows as CSV (:meth:`Leaderboard.to_csv <attr_engine.evaluate.Leaderboard.to_csv>`);
+    returns the path."""
+    board.to_csv(path)
+    return Path(path)
 
 
 def _figure(width: float, height: float) -> Any:

@@ -5,44 +5,28 @@
     import ray
     from attr_engine.jobs import AttributionJob
     from attr_engine.serve import ServeSettings, start_server
-
     ray.init()
     job = AttributionJob(method="aha", classifier="clf.safetensors", aha="runs/aha", frame="image")
-    start_server(job, ServeSettings(name="shapes"), host="127.0.0.1", port=8000)
-    # POST http://127.0.0.1:8000/v1/models/shapes:explain
+    start_server(job, ServeSettings(name="shapes"), host="127.0.0.1", port=8000)  # POST .../v1/models/shapes:explain
 
-Each replica (:class:`ModelServer`) builds the classifier and the method once, from an
-:class:`~attr_engine.jobs.AttributionJob` of plain values (:func:`~attr_engine.jobs.build_classifier`,
-:func:`~attr_engine.jobs.build_explainer`: the builders ``explain`` uses), and cuts every image as ``explain``
-does (:func:`~attr_engine.imageops.prepare_input`). Instances of concurrent requests are batched together
-(``@serve.batch``) and one function computes a batch's logits and maps (:func:`logits_and_maps`).
+Each replica (:class:`ModelServer`) builds the classifier and the method once from an
+:class:`~attr_engine.jobs.AttributionJob` (the builders ``explain`` uses), cuts every image as ``explain`` does,
+batches concurrent requests' instances (``@serve.batch``) and computes a batch's logits and maps in one function
+(:func:`logits_and_maps`).
 
-**Routes** (KServe V1; one model per server, ``<name>`` = :attr:`ServeSettings.name`):
+**Routes** (KServe V1; one model per server, ``<name>`` = :attr:`ServeSettings.name`; the README's "Serve over
+HTTP" has the shapes in full): ``POST /v1/models/<name>:explain`` -> ``{"explanations": [{"target",
+"probability", "height", "width", "map": {"shape", "dtype", "b64"}, "error"}]}``, one entry per instance, the map
+as raw little-endian bytes in the original image's frame (NaN where the centre crop cut) or, with
+``frame="model"``, the classifier's input size; ``POST /v1/models/<name>:predict`` -> ``{"predictions": [{"class",
+"probability", "name", "error"}]}``; ``GET /v1/models/<name>``, ``GET /v1/models`` and ``GET /`` for health.
 
-- ``POST /v1/models/<name>:explain``: ``{"instances": [{"image": {"b64": "<PNG/JPEG/WebP bytes>"}, "target":
-  null}]}`` -> ``{"explanations": [{"target", "probability", "height", "width", "map": {"shape", "dtype", "b64"},
-  "error"}]}``, one entry per instance, in order. ``target`` is a class index, or null / absent for the predicted
-  class; ``probability`` the classifier's softmax probability of it; ``map`` the attribution map as raw
-  little-endian bytes of ``dtype`` (:attr:`ServeSettings.map_dtype`, float32 by default) in C order, of ``shape``
-  ``[height, width]``: the original image's frame (pixels the centre crop cut away NaN), or the classifier's
-  input size with ``frame="model"``.
-- ``POST /v1/models/<name>:predict``: the same instances -> ``{"predictions": [{"class", "probability", "name",
-  "error"}]}``; ``name`` is the class's name where it is known (:func:`class_names`), else null. A given
-  ``target`` is checked, not used.
-- ``GET /v1/models/<name>``: ``{"name", "ready": true}`` once a replica answers; ``GET /v1/models``: the model
-  list; ``GET /``: liveness.
-
-**Errors.** A request the server cannot take (not JSON, no ``instances`` list, too many instances, a body over
-:attr:`ServeSettings.max_request_bytes`, an unknown route or model) is answered 4xx with ``{"error": "<one
-line>"}``. A bad instance (missing fields, an unknown field, a payload over :attr:`ServeSettings.max_image_bytes`
-- refused before it is decoded -, bytes that are no PNG / JPEG / WebP image, an image with fewer than
-:attr:`ServeSettings.min_side` pixels on a side or more than :attr:`ServeSettings.max_pixels` pixels - read from
-its header, before it is decompressed -, a target that is no class of the classifier) gets its ``error`` and the
-others still answer; when every instance of a request is bad, the request is answered 4xx (413 for sizes, 400
-otherwise) with the first one's line. A map with NaN or infinite values is that instance's error
-(:data:`~attr_engine.explainer.NONFINITE_MAP`). Nothing a request carries can stop a replica: every failure is
-caught in the request that caused it.
-
+**Errors.** A request the server cannot take (not JSON, no ``instances``, too many, too large, an unknown route or
+model) is answered 4xx with ``{"error": "<one line>"}``. A bad instance (a field missing or unknown, a payload
+over :attr:`ServeSettings.max_image_bytes`, refused before decoding, no PNG / JPEG / WebP, a side under
+:attr:`ServeSettings.min_side` or more than :attr:`ServeSettings.max_pixels` pixels, read from the header, a
+target that is no class, a non-finite map) gets its ``error`` and the others still answer; when every instance is
+bad the request is answered 4xx with the first one's line. Every failure is caught in the request that caused it.
 Ray is imported by this module: ``import attr_engine`` never loads it (``pip install 'attr-engine[serve]'``).
 """
 

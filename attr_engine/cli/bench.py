@@ -36,10 +36,15 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
     p.add_argument("--quick", action="store_true", help="small kernel shapes and one timed repeat")
     p.add_argument("--skip-kernels", action="store_true", help="no kernel self-check")
     p.add_argument("--skip-engine", action="store_true", help="no engine-step timings")
-    p.add_argument("--model", choices=tuple(SMALL_MODELS), default="small-resnet", help="model of the engine steps")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--img-size", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per engine step (median reported)")
+    p.add_argument(
+        "--model",
+        choices=tuple(SMALL_MODELS),
+        default="small-resnet",
+        help="model of the engine steps (default small-resnet)",
+    )
+    p.add_argument("--batch-size", type=int, default=8, help="images per call (default 8)")
+    p.add_argument("--img-size", type=int, default=64, help="image side (default 64)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per engine step, median reported (default 3)")
     p.add_argument("--out", metavar="FILE", help="also write the engine timings as JSON")
     add_device_arg(p)
     p.set_defaults(run=run_bench)

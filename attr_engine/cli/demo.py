@@ -72,11 +72,13 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
     p = subparsers.add_parser(
         "demo",
         help="train a classifier and AHA on embedded data, explain and evaluate, write a report (no download)",
-        description=__doc__.split("\n\n")[0] + " Measured on 2 CPU cores shared with other jobs: "
-        "3.5 to 9 minutes, --quick 1 min 10 s.",
+        description=__doc__.split("\n\n")[0] + " --quick is a smaller run of the same pipeline; the README quotes "
+        "both runs' times with the machine and its load.",
     )
     p.add_argument("--out", "-o", default="attr-engine-demo", help="report directory (default: ./attr-engine-demo)")
-    p.add_argument("--quick", action="store_true", help="a smaller run (measured: 1 min 10 s on 2 busy cores)")
+    p.add_argument(
+        "--quick", action="store_true", help="a smaller run: fewer images, epochs and AHA steps (the sizes below)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of everything (default 0)")
     p.add_argument(
         "--model", choices=tuple(SMALL_MODELS), default="small-resnet", help="classifier to train (small-resnet)"
@@ -132,6 +134,11 @@ def _sizes(args: argparse.Namespace) -> DemoSizes:
     if sizes.num_train < sizes.aha_batch:
         raise UsageError(f"--num-train must be at least the AHA batch ({sizes.aha_batch})")
     return replace(sizes, num_show=min(sizes.num_show, sizes.num_eval))
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 thread``, ``2 threads``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _clock(seconds: float) -> str:
@@ -351,7 +358,8 @@ def _write_report(
         "# attr-engine demo report",
         "",
         f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {machine['processor']}, {machine['cpu_count']} "
-        f"CPU(s), torch {machine['torch']} with {machine['torch_threads']} threads, device `{machine['device']}`"
+        f"CPU(s), torch {machine['torch']} with {_count(machine['torch_threads'], 'thread')}, "
+        f"device `{machine['device']}`"
         + (f" ({machine['gpu']})" if "gpu" in machine else "")
         + f". Seed {args.seed}. Total {_clock(results['total_seconds'])}.",
         "",
@@ -403,3 +411,59 @@ def _write_report(
     ]
     with atomic_write(out / "report.md", "w") as f:
         f.write("\n".join(lines))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The README's demo tables, generated from a run (docs/demo_table.py writes them; tests/test_readme.py checks them)
+# ---------------------------------------------------------------------------------------------------------------
+
+README_COMMANDS = {"quick": "attr-engine demo --quick", "full": "attr-engine demo"}
+_README_HEADERS = {"pointing_game": "pointing game", "energy_pointing_game": "energy pointing game"}
+
+
+def readme_record(results: dict[str, Any], command: str) -> dict[str, Any]:
+    """What the README's table shows of a demo run (``results.json``), with what reproduces it: the command, the
+    seed, torch's version and thread count. Scores at full precision; ``ms/image`` apart (it is measured, not
+    reproduced)."""
+    rows = [{k: v for k, v in row.items() if k != "ms/image"} for row in results["leaderboard"]]
+    return {
+        "command": command,
+        "seed": results["seed"],
+        "sizes": results["sizes"],
+        "torch": results["machine"]["torch"],
+        "torch_threads": results["machine"]["torch_threads"],
+        "classifier_accuracy": results["classifier_accuracy"],
+        "rows": rows,
+        "ms_per_image": {row["method"]: row["ms/image"] for row in results["leaderboard"]},
+        "total_seconds": results["total_seconds"],
+    }
+
+
+def readme_table(record: dict[str, Any]) -> str:
+    """The Markdown table of a :func:`readme_record`: scores to 3 decimals with the best in bold, ms/image to 0.1."""
+    from attr_engine.tables import markdown_table
+
+    metrics = [k for k in record["rows"][0] if k not in ("method", "ranked by")]
+    times = record["ms_per_image"]
+    rows = [
+        {**{_README_HEADERS.get(k, k): v for k, v in row.items()}, "ms/image": f"{times[row['method']]:.1f}"}
+        for row in record["rows"]
+    ]
+    directions = {_README_HEADERS.get(m, m): "lower" if m == "deletion" else "higher" for m in metrics}
+    columns = ["method", "ranked by", *directions, "ms/image"]
+    return markdown_table(rows, columns, directions={**directions, "ms/image": "lower"}, digits=3)
+
+
+def replace_readme_block(text: str, name: str, block: str) -> str:
+    """``text`` with what lies between ``<!-- demo-<name>:start -->`` and ``<!-- demo-<name>:end -->`` replaced."""
+    start, end = f"<!-- demo-{name}:start -->\n", f"<!-- demo-{name}:end -->"
+    if text.count(start) != 1 or text.count(end) != 1:
+        raise ValueError(f"the README must hold one {start.strip()} ... {end} block")
+    head, rest = text.split(start)
+    return head + start + block + end + rest.split(end, 1)[1]
+
+
+def readme_block(text: str, name: str) -> str:
+    """What lies between the README's ``demo-<name>`` markers."""
+    start, end = f"<!-- demo-{name}:start -->\n", f"<!-- demo-{name}:end -->"
+    return text.split(start, 1)[1].split(end, 1)[0]

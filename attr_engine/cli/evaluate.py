@@ -14,6 +14,7 @@ from attr_engine.cli._common import (
     add_classifier_args,
     add_device_arg,
     build_explainer,
+    check_cost,
     check_writable_dir,
     load_classifier_args,
     resolve_device,
@@ -52,19 +53,26 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
         "pullback-soft, gradient, integrated-gradients",
     )
     p.add_argument("--aha", metavar="DIR", help="trained AHA checkpoint directory")
-    p.add_argument("--refine-steps", type=int, default=0, help="also score AHA with T test-time refinement steps")
+    p.add_argument(
+        "--refine-steps", type=int, default=0, help="also score AHA with T test-time refinement steps (default 0: not)"
+    )
     p.add_argument("--data", default=EMBEDDED, help=f"'{EMBEDDED}' (embedded, with object masks) or an image folder")
-    p.add_argument("--num-images", type=int, default=64, help="images to score")
+    p.add_argument("--num-images", type=int, default=64, help="images to score (default 64)")
     p.add_argument("--img-size", type=int, help="input side (default: the classifier's, else 224)")
     p.add_argument(
         "--metrics",
         default=None,
-        help="comma-separated metrics of attr_engine.evaluate.METRICS; default: deletion, insertion (and the "
-        "pointing games when the data has masks)",
+        help="comma-separated metrics: deletion, insertion, pos, neg, infidelity, infidelity_quantus, "
+        "max_sensitivity, random_logit, random_logit_ssim, pointing_game, energy_pointing_game, mask_iou (the last "
+        "three need the embedded data's masks); default: deletion, insertion and, with masks, the pointing games",
     )
-    p.add_argument("--target", choices=("pred", "label"), default="pred", help="class explained and scored")
-    p.add_argument("--batch-size", type=int, default=16, help="images per explainer call")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--target", choices=("pred", "label"), default="pred", help="class explained and scored (default pred)"
+    )
+    p.add_argument("--batch-size", type=int, default=16, help="images per explainer call (default 16)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the data, a fresh model and the random metrics (default 0)"
+    )
     p.add_argument("--out", help="directory for the report files")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_device_arg(p)
@@ -161,21 +169,23 @@ def run_leaderboard(
     progress: bool = True,
     **kwargs: Any,
 ) -> Any:
-    """:func:`attr_engine.evaluate.evaluate` with a progress bar over the methods."""
+    """:func:`attr_engine.evaluate.evaluate` with a progress bar over its steps (each method's maps, then each
+    metric), the step running named beside it: a slow metric shows which it is (a cost warning precedes it)."""
     from tqdm.auto import tqdm
 
     from attr_engine.evaluate import evaluate
 
-    names = list(methods)
-    with tqdm(total=len(names), desc="evaluate", unit="method", disable=not progress, dynamic_ncols=True) as bar:
-        bar.set_postfix_str(names[0])
+    total = len(methods) * (1 + len(metrics))
+    with tqdm(total=total, desc="evaluate", unit="step", disable=not progress, dynamic_ncols=True) as bar:
 
-        def log(line: str) -> None:
-            bar.update(1)
-            if bar.n < len(names):
-                bar.set_postfix_str(names[bar.n])
+        def step(name: str) -> None:
+            if bar.n or bar.postfix:  # the step before this one is done
+                bar.update(1)
+            bar.set_postfix_str(name)
 
-        return evaluate(classifier, methods, data, metrics, log=log, **kwargs)
+        board = evaluate(classifier, methods, data, metrics, step=step, **kwargs)
+        bar.update(total - bar.n)
+        return board
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
@@ -201,6 +211,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     methods: dict[str, Any] = {}
     for name in names:
         methods[name] = build_explainer(name, classifier, aha_dir=args.aha, seed=args.seed)
+        check_cost(methods[name], img_size, args.max_cost, name)
         if resolve_method(name) == "aha" and args.refine_steps:
             methods[f"aha (T={args.refine_steps})"] = build_explainer(
                 name, classifier, aha_dir=args.aha, refine_steps=args.refine_steps, seed=args.seed

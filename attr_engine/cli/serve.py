@@ -84,7 +84,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     )
     server.add_argument("--max-batch-size", type=int, default=16, help="instances per batch on a replica (16)")
     server.add_argument(
-        "--batch-wait-ms", type=float, default=10.0, help="how long a batch waits for more instances (10 ms)"
+        "--batch-wait-ms",
+        type=float,
+        default=10.0,
+        help="how long a batch waits for more instances, in milliseconds (default: 10)",
     )
     server.add_argument(
         "--map-dtype",

@@ -42,11 +42,11 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
     tc.add_argument("--init", metavar="PATH", help="fine-tune this classifier checkpoint instead of a fresh model")
     _add_data_args(tc, default_images=2000)
     tc.add_argument("--out", required=True, help="output directory")
-    tc.add_argument("--epochs", type=int, default=6)
-    tc.add_argument("--batch-size", type=int, default=32)
-    tc.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
-    tc.add_argument("--seed", type=int, default=0)
-    tc.add_argument("--workers", type=int, default=0, help="data-loading worker processes")
+    tc.add_argument("--epochs", type=int, default=6, help="passes over the data (default 6)")
+    tc.add_argument("--batch-size", type=int, default=32, help="images per step (default 32)")
+    tc.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default 0.001)")
+    tc.add_argument("--seed", type=int, default=0, help="seed of the data, initialisation and order (default 0)")
+    tc.add_argument("--workers", type=int, default=0, help="data-loading worker processes (default 0: in this process)")
     tc.add_argument("--resume", action="store_true", help="keep a classifier OUT already holds instead of failing")
     tc.add_argument("--overwrite", action="store_true", help="replace a classifier OUT already holds")
     tc.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -69,7 +69,7 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
     ta.add_argument("--out", required=True, help="AHA checkpoint directory")
     ta.add_argument("--epochs", type=int, default=None, help="passes over the data (default 1; with --val-fraction "
                     "the cap, default 10)")  # fmt: skip
-    ta.add_argument("--batch-size", type=int, default=32, help="images per step and process")
+    ta.add_argument("--batch-size", type=int, default=32, help="images per step and process (default 32)")
     ta.add_argument("--max-steps", type=int, help="stop after this many optimiser steps")
     ta.add_argument("--val-fraction", type=float, default=None, metavar="F",
                     help="hold out this fraction of the data (a split by --seed and file name) for validation and "
@@ -78,7 +78,7 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
                     "val_every, default 50)")  # fmt: skip
     ta.add_argument("--patience", type=int, default=None, help="validation scores without improvement before "
                     "training stops (AHAConfig.patience, default 5)")  # fmt: skip
-    ta.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    ta.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default 50)")
     ta.add_argument("--resume", action="store_true", help="continue from the checkpoint in OUT")
     ta.add_argument("--overwrite", action="store_true", help="start over even if OUT holds a checkpoint")
     ta.add_argument("--seed", type=int, default=None, help="training seed (AHAConfig.seed, default 42)")
@@ -86,7 +86,7 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
     ta.add_argument("--n-fractions", type=int, default=None, help="perturbation fractions per curve (default 16)")
     ta.add_argument("--targets", choices=("pred+label", "pred"), default=None, help="classes explained per image")
     ta.add_argument("--aha-option", action="append", metavar="KEY=VALUE", help="any AHAConfig field, repeatable")
-    ta.add_argument("--workers", type=int, default=0, help="data-loading worker processes")
+    ta.add_argument("--workers", type=int, default=0, help="data-loading worker processes (default 0: in this process)")
     ta.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_device_arg(ta)
     ta.set_defaults(run=run_train_aha, _config_sections=("aha",))
@@ -101,7 +101,12 @@ def _add_data_args(parser: argparse.ArgumentParser, *, default_images: int) -> N
         help=f"'{EMBEDDED}' (the embedded procedural dataset, generated on the fly) or an ImageFolder directory "
         "(one subfolder per class)",
     )
-    group.add_argument("--num-images", type=int, default=default_images, help=f"images generated for --data {EMBEDDED}")
+    group.add_argument(
+        "--num-images",
+        type=int,
+        default=default_images,
+        help=f"images generated for --data {EMBEDDED} (default {default_images})",
+    )
     group.add_argument(
         "--img-size",
         type=int,
