@@ -25,8 +25,8 @@ as raw little-endian bytes in the original image's frame (NaN where the centre c
 model) is answered 4xx with ``{"error": "<one line>"}``. A bad instance (a field missing or unknown, a payload
 over :attr:`ServeSettings.max_image_bytes`, refused before decoding, no PNG / JPEG / WebP, a side under
 :attr:`ServeSettings.min_side` or more than :attr:`ServeSettings.max_pixels` pixels, read from the header, a
-target that is no class, a non-finite map) gets its ``error`` and the others still answer; when every instance is
-bad the request is answered 4xx with the first one's line. Every failure is caught in the request that caused it.
+target that is no class, a non-finite map) gets its ``error`` and the others still answer; when every instance
+failed the request is answered with the first one's line: 4xx for a bad instance, 500 for the method's failure.
 Ray is imported by this module: ``import attr_engine`` never loads it (``pip install 'attr-engine[serve]'``).
 """
 

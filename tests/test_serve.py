@@ -151,7 +151,7 @@ def server(request, cluster, data):
         if not line:  # the command ended: its one line says why
             raise AssertionError(proc.stderr.read())
         assert line.startswith(f"serving {method} maps as {NAME!r} at {url}/v1/models/{NAME}"), line
-        yield {"method": method, "client": client, "replicas": _replicas(), "proc": proc}
+        yield {"method": method, "client": client, "replicas": _replicas(), "proc": proc, "url": url}
     finally:
         client.close()
         proc.send_signal(signal.SIGINT)
@@ -215,6 +215,19 @@ def test_predict_answers_the_class_its_probability_and_name(server, data):
         assert entry["class"] == predicted == data["local"][server["method"], "pred"][name][1]
         assert entry["probability"] == pytest.approx(float(data["probabilities"][name].max()), rel=1e-5)
         assert entry["name"] == data["classes"][predicted] and entry["error"] is None  # from train.json
+
+
+def test_the_readme_example_runs_against_the_server(server, data, tmp_path, monkeypatch):
+    """README "Serve over HTTP", its Python block as printed, with this server's address and a photo of ours."""
+    from tests.test_readme import code_block
+
+    block = code_block("### Serve over HTTP")
+    assert "http://127.0.0.1:8000/v1/models/shapes:explain" in block
+    (tmp_path / "photo.jpg").write_bytes(data["images"]["b.jpg"])
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(block.replace("http://127.0.0.1:8000/v1/models/shapes", f"{server['url']}/v1/models/{NAME}"), namespace)
+    _assert_close(namespace["amap"], data["local"][server["method"], "pred"]["b.jpg"][0])
 
 
 def test_health_routes(server):
