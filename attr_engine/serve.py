@@ -25,8 +25,8 @@ as raw little-endian bytes in the original image's frame (NaN where the centre c
 model) is answered 4xx with ``{"error": "<one line>"}``. A bad instance (a field missing or unknown, a payload
 over :attr:`ServeSettings.max_image_bytes`, refused before decoding, no PNG / JPEG / WebP, a side under
 :attr:`ServeSettings.min_side` or more than :attr:`ServeSettings.max_pixels` pixels, read from the header, a
-target that is no class, a non-finite map) gets its ``error`` and the others still answer; when every instance is
-bad the request is answered 4xx with the first one's line. Every failure is caught in the request that caused it.
+target that is no class, a non-finite map) gets its ``error`` and the others still answer; when every instance
+failed the request is answered with the first one's line: 4xx for a bad instance, 500 for the method's failure.
 Ray is imported by this module: ``import attr_engine`` never loads it (``pip install 'attr-engine[serve]'``).
 """
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import io
 import json
 import logging
@@ -283,8 +284,8 @@ class _Row:
 
 @dataclass
 class _Answer:
-    target: int
-    probability: float
+    target: int | None  # None: the batch failed before any class was known
+    probability: float | None
     map: np.ndarray | None = None  # (h, w) float32 in the output frame; None for :predict
     error: str | None = None
 
@@ -343,7 +344,8 @@ class ModelServer:
             return JSONResponse({"error": str(err)}, status_code=err.status)
         except Exception as err:  # a bug or an exhausted resource: this request fails, the replica stays
             logger.exception("request %s %s failed", method, path)
-            return JSONResponse({"error": f"internal error: {type(err).__name__}: {err}"[:300]}, status_code=500)
+            line = " ".join(f"internal error: {type(err).__name__}: {err}".split())[:300]
+            return JSONResponse({"error": line}, status_code=500)
 
     async def _body(self, request: Request) -> bytes:
         """The request body, read no further than ``max_request_bytes``."""
@@ -367,14 +369,16 @@ class ModelServer:
         """``:explain`` or ``:predict``: every instance checked and decoded, then batched; one entry per instance."""
         instances = _instances(await self._body(request), self.settings)
         rows = await asyncio.to_thread(self._rows, instances, explain)
-        answers = await asyncio.gather(*(self._batch(row) for row in rows if not isinstance(row, InstanceError)))
-        done = iter(answers)
-        entries = [self._entry(row if isinstance(row, InstanceError) else next(done), explain) for row in rows]
-        errors = [(i, row) for i, row in enumerate(rows) if isinstance(row, InstanceError)]
-        if len(errors) == len(rows):  # nothing to answer: the request itself is bad
-            i, err = errors[0]
-            more = f" (and {len(errors) - 1} more bad instances)" if len(errors) > 1 else ""
-            raise InstanceError(f"instance {i}: {err}{more}", err.status)
+        answers = iter(await asyncio.gather(*(self._batch(r) for r in rows if not isinstance(r, InstanceError))))
+        results = [row if isinstance(row, InstanceError) else next(answers) for row in rows]
+        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, InstanceError) or r.error is not None]
+        if len(failed) == len(results):  # nothing to answer: the request is bad (4xx) or the method failed (500)
+            i, first = failed[0]
+            status = first.status if isinstance(first, InstanceError) else 500
+            reason = first if isinstance(first, InstanceError) else first.error
+            more = f" (and {len(failed) - 1} more failed instances)" if len(failed) > 1 else ""
+            raise InstanceError(f"instance {i}: {reason}{more}", status)
+        entries = [self._entry(result, explain) for result in results]
         return JSONResponse({"explanations" if explain else "predictions": entries})
 
     def _rows(self, instances: Sequence[Any], explain: bool) -> list[_Row | InstanceError]:
@@ -402,7 +406,7 @@ class ModelServer:
                         "error": error}  # fmt: skip
             return {"class": None, "probability": None, "name": None, "error": error}
         if not explain:
-            name = self.names.get(answer.target)
+            name = self.names.get(answer.target) if answer.target is not None else None
             return {"class": answer.target, "probability": answer.probability, "name": name, "error": None}
         assert answer.map is not None  # an explained row without error has its map
         try:
@@ -422,7 +426,7 @@ class ModelServer:
         except Exception as err:  # the whole batch failed (a bug, memory): each of its requests says so
             logger.exception("a batch of %d instances failed", len(rows))
             line = f"internal error: {type(err).__name__}: {' '.join(str(err).split())}"[:300]
-            return [_Answer(-1, math.nan, error=line) for _ in rows]
+            return [_Answer(None, None, error=line) for _ in rows]
 
     def _compute(self, rows: list[_Row]) -> list[_Answer]:
         """Answers for ``rows``: predictions from the classifier alone, maps in groups of predicted and given
@@ -518,6 +522,8 @@ def build_app(job: AttributionJob, settings: ServeSettings) -> serve.Application
         # Room for a batch being computed and the next one forming.
         max_ongoing_requests=2 * settings.max_batch_size,
         logging_config={"log_level": "WARNING", "enable_access_log": False},
+        # A replica that cannot build (a checkpoint changed since the command checked it) fails the start soon.
+        max_constructor_retry_count=3,
     )(ModelServer)
     return deployment.bind(job, settings)
 
@@ -552,6 +558,9 @@ def start_server(
     except (ray.exceptions.RayError, RuntimeError) as err:
         from attr_engine.ray import RemoteWorkerError
 
+        # serve.run says only that the deployment failed; Serve's status holds the replica's own error.
+        with contextlib.suppress(Exception):
+            err = RuntimeError(serve.status().applications[APP].deployments["ModelServer"].message or str(err))
         raise RemoteWorkerError(f"the server failed to start: {_last_error_line(err)}") from None
     local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"http://{local if ':' not in local else f'[{local}]'}:{port}/v1/models/{settings.name}"

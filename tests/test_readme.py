@@ -258,6 +258,7 @@ def test_the_readme_python_blocks_are_all_tested() -> None:
     """Every Python block of the README is one of the tested examples or the Ray one (it needs a cluster)."""
     blocks = re.findall(r"```python\n(.*?)```\n", README, flags=re.S)
     tested = [code_block(h) for h in ("## Python API", "### Use with Captum", "### Use with Quantus")]
+    tested.append(code_block("### Serve over HTTP"))  # run by tests/test_serve.py against a live server
     untested = [b for b in blocks if b not in tested]
     assert len(untested) == 1 and "attribute_dataset" in untested[0]
 

@@ -37,7 +37,7 @@ from attr_engine.checkpoint import load_safetensors  # noqa: E402
 from attr_engine.classifier import load_classifier  # noqa: E402
 from attr_engine.cli import main  # noqa: E402
 from attr_engine.imageops import data_config, decode_image, prepare_input  # noqa: E402
-from attr_engine.serve import InstanceError, ServeSettings, encode_map, read_image  # noqa: E402
+from attr_engine.serve import InstanceError, ServeSettings, encode_map, logits_and_maps, read_image  # noqa: E402
 from tests.eval_helpers import single_thread, untrained_resnet_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,7 +151,7 @@ def server(request, cluster, data):
         if not line:  # the command ended: its one line says why
             raise AssertionError(proc.stderr.read())
         assert line.startswith(f"serving {method} maps as {NAME!r} at {url}/v1/models/{NAME}"), line
-        yield {"method": method, "client": client, "replicas": _replicas(), "proc": proc}
+        yield {"method": method, "client": client, "replicas": _replicas(), "proc": proc, "url": url}
     finally:
         client.close()
         proc.send_signal(signal.SIGINT)
@@ -215,6 +215,19 @@ def test_predict_answers_the_class_its_probability_and_name(server, data):
         assert entry["class"] == predicted == data["local"][server["method"], "pred"][name][1]
         assert entry["probability"] == pytest.approx(float(data["probabilities"][name].max()), rel=1e-5)
         assert entry["name"] == data["classes"][predicted] and entry["error"] is None  # from train.json
+
+
+def test_the_readme_example_runs_against_the_server(server, data, tmp_path, monkeypatch):
+    """README "Serve over HTTP", its Python block as printed, with this server's address and a photo of ours."""
+    from tests.test_readme import code_block
+
+    block = code_block("### Serve over HTTP")
+    assert "http://127.0.0.1:8000/v1/models/shapes:explain" in block
+    (tmp_path / "photo.jpg").write_bytes(data["images"]["b.jpg"])
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(block.replace("http://127.0.0.1:8000/v1/models/shapes", f"{server['url']}/v1/models/{NAME}"), namespace)
+    _assert_close(namespace["amap"], data["local"][server["method"], "pred"]["b.jpg"][0])
 
 
 def test_health_routes(server):
@@ -314,6 +327,38 @@ def test_maps_on_the_wire_are_little_endian_float32_or_float16_with_a_range_chec
     assert np.array_equal(back, amap.astype(np.float16), equal_nan=True)
     with pytest.raises(InstanceError, match="float16's range"):
         encode_map(np.array([[1e5]], np.float32), "float16")
+
+
+def test_logits_and_maps_take_the_fused_path_where_the_explainer_has_one():
+    """Without ``predict_and_explain``: the classifier's logits and ``attribute`` of the predicted (or given)
+    classes. With it (AHA's fused path): its own answer, the target passed through, ``attribute`` never called."""
+    from attr_engine.explainer import get_explainer
+    from tests.eval_helpers import images, tiny_convnet
+
+    classifier, x = tiny_convnet(), images(3, 16)
+    explainer = get_explainer("gradient", classifier)
+    logits, maps = logits_and_maps(classifier, explainer, x, None)
+    assert torch.equal(logits, classifier(x).detach())
+    assert torch.equal(maps, explainer.attribute(x, logits.argmax(1)))
+    given = torch.tensor([1, 0, 4])
+    assert torch.equal(logits_and_maps(classifier, explainer, x, given)[1], explainer.attribute(x, given))
+
+    class Fused:
+        def __init__(self) -> None:
+            self.targets: list = []
+
+        def predict_and_explain(self, x, target=None):
+            self.targets.append(target)
+            return torch.full((len(x), 5), 2.0), torch.full((len(x), 16, 16), 7.0)
+
+        def attribute(self, *args, **kwargs):
+            raise AssertionError("the fused path must not call attribute")
+
+    fused = Fused()
+    logits, maps = logits_and_maps(classifier, fused, x, None)
+    assert torch.equal(logits, torch.full((3, 5), 2.0)) and torch.equal(maps, torch.full((3, 16, 16), 7.0))
+    logits_and_maps(classifier, fused, x, given)
+    assert fused.targets[0] is None and torch.equal(fused.targets[1], given)
 
 
 def test_an_image_is_checked_from_its_header_before_it_is_decoded():

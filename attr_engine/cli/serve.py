@@ -86,8 +86,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--batch-wait-ms",
         type=float,
-        default=10.0,
-        help="how long a batch waits for more instances, in milliseconds (default: 10)",
+        default=10,
+        help="how long a batch waits for more instances, in milliseconds (default: %(default)s)",
     )
     server.add_argument(
         "--map-dtype",
@@ -99,12 +99,20 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         "--max-image-bytes",
         type=int,
         default=20 * MiB,
-        help="an image payload's limit, refused before decoding (20 MiB)",
+        help="an image payload's limit in bytes, refused before decoding (default %(default)s = 20 MiB)",
     )
-    server.add_argument("--max-request-bytes", type=int, default=64 * MiB, help="a request body's limit (64 MiB)")
+    server.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=64 * MiB,
+        help="a request body's limit in bytes (default %(default)s = 64 MiB)",
+    )
     server.add_argument("--max-instances", type=int, default=32, help="instances per request (32)")
     server.add_argument(
-        "--max-pixels", type=int, default=25_000_000, help="pixels of an image, read from its header (25 000 000)"
+        "--max-pixels",
+        type=int,
+        default=25_000_000,
+        help="pixels of an image, read from its header (default %(default)s)",
     )
     server.add_argument("--min-side", type=int, default=16, help="an image's shorter side at least (16 px)")
     server.add_argument(
