@@ -51,21 +51,13 @@ def as_classifier(model: nn.Module) -> Classifier:
 def quantus_explain_func(method: Explainer | str, **options: Any) -> Any:
     """A Quantus ``explain_func``: ``f(model, inputs, targets, **kwargs) -> np.ndarray``.
 
-    Each call explains with ``model``, the model Quantus passes: a :class:`~attr_engine.classifier.Classifier` (pass
-    one to the Quantus metric, with ``x_batch`` in [0, 1]) or a plain module, which is fed ``inputs`` unchanged.
-    An :class:`Explainer` is rebound to that model with its options (:meth:`Explainer.rebind`; for AHA: the model's
-    backbone and classifier under the trained decoder); a registry name (``"saliency"``, ``"captum:DeepLift"``) is
-    built for it with ``options`` as constructor arguments.
-
-    Keyword arguments - ``options`` here and Quantus' ``explain_func_kwargs`` at each call, the latter winning - are
-    the method's per-call options (``baselines``, ``n_steps``, ``nt_samples``, ...) plus ``reduce`` (None: the
-    (B, C, H, W) per-channel attribution, as the Semantic Pullback's official evaluation hands Quantus). Quantus'
-    own ``device`` is ignored: the method runs on the model's device.
-
-    Quantus explains noisy copies of the caller's images (MaxSensitivity's uniform noise of radius 0.2 reaches 1.2),
-    so the range check (:class:`~attr_engine.explainer.ImageRangeWarning`) allows
-    :data:`~attr_engine.explainer.PERTURBATION_ALLOWANCE` beyond [0, 1] on either side here: 0..255 pixels and
-    normalised images still warn, the noise of a perturbation does not.
+    Each call explains with ``model``, the model Quantus passes (a :class:`~attr_engine.classifier.Classifier` with
+    ``x_batch`` in [0, 1], or a plain module fed ``inputs`` unchanged): an :class:`Explainer` is rebound to it
+    (:meth:`Explainer.rebind`), a registry name is built for it with ``options`` as constructor arguments. Keyword
+    arguments (``options``, then Quantus' ``explain_func_kwargs``, which win) are the method's per-call options plus
+    ``reduce`` (None: (B, C, H, W) per-channel attributions); Quantus' ``device`` is ignored. Quantus explains noisy
+    copies of the images (MaxSensitivity's noise reaches 1.2), so the range check allows
+    :data:`~attr_engine.explainer.PERTURBATION_ALLOWANCE` beyond [0, 1]: 0..255 and normalised images still warn.
 
     Returns:
         float32 numpy attributions, (B, 1, H, W) maps or (B, C, H, W) with ``reduce=None``.

@@ -23,6 +23,7 @@ from torch import nn
 
 from attr_engine.checkpoint import check_state_shapes, load_safetensors, save_safetensors
 from attr_engine.model_sources import (
+    as_hf_adapter,
     build_torchvision,
     check_torchvision_name,
     is_hf_classifier,
@@ -33,12 +34,14 @@ from attr_engine.model_sources import (
 from kernels._validate import check_int_at_least, check_tensor
 
 __all__ = [
+    "CPU_PIXELS_PER_CALL",
     "MAX_FILE_IMG_SIZE",
     "Classifier",
     "check_device",
     "check_model_name",
     "eval_mode",
     "file_int",
+    "images_per_call",
     "input_dtype",
     "is_external_name",
     "load_classifier",
@@ -169,6 +172,24 @@ def input_dtype(model: nn.Module) -> torch.dtype | None:
     return None
 
 
+# The most pixels one differentiated classifier call takes on a CPU: 32 images of 224 x 224. Its activations (and
+# those kept for the backward) grow with the pixels of the call, and the methods that batch many variants of an
+# image (Integrated Gradients' path points, AHA's blends) would otherwise hold gigabytes at 224 px
+# (benches/README.md, "Memory on a CPU").
+CPU_PIXELS_PER_CALL = 32 * 224 * 224
+
+
+def images_per_call(height: int, width: int, device: torch.device | str) -> int | None:
+    """How many (3, ``height``, ``width``) images one differentiated classifier call should take on ``device``.
+
+    On a CPU, as many as fit in :data:`CPU_PIXELS_PER_CALL` pixels (at least one), so host memory stays bounded
+    whatever the image size; None (no limit) on accelerators, whose callers keep their own batching.
+    """
+    if torch.device(device).type != "cpu":
+        return None
+    return max(1, CPU_PIXELS_PER_CALL // max(1, int(height) * int(width)))
+
+
 def model_device(model: nn.Module) -> torch.device | None:
     """The device of ``model``'s first parameter (else buffer), or None for a model without tensors."""
     for tensors in (model.parameters(), model.buffers()):
@@ -204,7 +225,8 @@ class Classifier(nn.Module):
 
     Args:
         model: any classifier mapping normalised ``(B, 3, H, W)`` images to ``(B, K)`` logits. It is frozen *in
-            place* (``requires_grad_(False)``, eval mode).
+            place* (``requires_grad_(False)``, eval mode). A transformers ``*ForImageClassification`` model is
+            wrapped in :class:`~attr_engine.model_sources.HFImageClassifier` first (``.model`` is the wrapper).
         mean, std: per-channel normalisation. ``None`` takes them from ``model.pretrained_cfg`` (timm models);
             for other models they must be given (pass ``(0, 0, 0)`` / ``(1, 1, 1)`` for models trained on raw
             [0, 1] pixels).
@@ -244,6 +266,7 @@ class Classifier(nn.Module):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        model = as_hf_adapter(model)  # a raw transformers image classifier: pixel_values in, an output object out
         cfg = getattr(model, "pretrained_cfg", None) or {}
         if mean is None:
             mean = cfg.get("mean")
@@ -349,6 +372,7 @@ class Classifier(nn.Module):
             check_tensor(x, "x", ndim=4, finite=finite)
             if x.shape[1] != 3:
                 raise ValueError(f"x must be RGB images (B, 3, H, W), got {x.shape[1]} channels: {tuple(x.shape)}")
+            _check_patch_grid(self._model, x)
         dtype = input_dtype(self._model)
         if dtype is not None and x.dtype != dtype:
             x = x.to(dtype)  # differentiable: the input gradient comes back in the caller's dtype
@@ -359,6 +383,25 @@ class Classifier(nn.Module):
 
     def extra_repr(self) -> str:
         return f"mean={self.mean}, std={self.std}, input_size={self._input_size}"
+
+
+def _check_patch_grid(model: nn.Module, x: torch.Tensor) -> None:
+    """A ValueError naming the size a timm ViT takes, where its patch embedding would assert on ``x`` (B, 3, H, W):
+    a model built for a fixed size (``strict_img_size``) takes that size only, others a multiple of the patch."""
+    embed = getattr(model, "patch_embed", None)
+    size, patch = getattr(embed, "img_size", None), getattr(embed, "patch_size", None)
+    if size is None or patch is None:
+        return  # no timm patch embedding, or a dynamic one
+    got = tuple(x.shape[-2:])
+    if getattr(embed, "strict_img_size", False) and got != tuple(size):
+        raise ValueError(
+            f"x is {got[0]} x {got[1]} but this ViT takes {size[0]} x {size[1]} images (its patch grid is fixed); "
+            f"resize the images, or build the model with img_size={got[0]}"
+        )
+    if not getattr(embed, "dynamic_img_pad", True) and (got[0] % patch[0] or got[1] % patch[1]):
+        raise ValueError(
+            f"x is {got[0]} x {got[1]}: this ViT takes sides that are multiples of its {patch[0]} px patches"
+        )
 
 
 def _unknown_model_error(name: str) -> ValueError:

@@ -17,16 +17,13 @@ Metrics (name: direction, what is computed with which settings):
 | random_logit_ssim | lower | Quantus' default SSIM of the flattened maps, per-map max normalisation |
 | pointing_game, energy_pointing_game, mask_iou | higher | need object masks (mask_iou: IoU of the top-k% pixels) |
 
-Infidelity patches of H/4 and H/2 are the SP paper's 56 and 112 px at 224 px; both infidelities compare logits.
-
 Each method is scored the way its authors score it: pixel-ranking metrics (deletion, insertion, pos, neg, pointing
 games) use the map its ``ranking_reduce`` declares (the Semantic Pullback: mean |value| over channels, see
 :data:`~attr_engine.pullback.PULLBACK_RANKING_SOURCE`; every other method: its own map), and the infidelities
 use the signed per-channel attribution of methods that declare ``infidelity_per_channel`` (gradient, gradient x
 input, Integrated Gradients, the pullbacks, DeepLift, ``captum:...``), broadcasting the map otherwise. The
-``ranked by`` column says which map was ranked. With ``extra_rankings=True``, methods that
-declare some (the pullbacks: ``"input"``, i.e. ``sum_c pullback_c (x_c - mean colour_c)``, and the signed channel
-mean) get extra rows with the deletion / insertion of those maps.
+``ranked by`` column says which map was ranked; ``extra_rankings=True`` adds rows for the extra rankings methods
+declare (the pullbacks: ``"input"``, ``sum_c pullback_c (x_c - mean colour_c)``, and the signed channel mean).
 
 Every random metric draws from a generator seeded with ``seed`` for each method, so all methods see the same noise.
 Metric settings can be overridden per metric: ``metrics={"infidelity": {"n_samples": 10}, "deletion": {}}``.
@@ -34,6 +31,7 @@ Metric settings can be overridden per metric: ``metrics={"infidelity": {"n_sampl
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -91,6 +89,22 @@ class MetricSpec:
     compute: Callable[..., torch.Tensor]
     needs_masks: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    # Classifier passes per image, estimated from (height, width, the method's passes per map, settings): the
+    # cost warning of evaluate(). None: a few passes, never slow.
+    passes: Callable[..., int] | None = None
+
+
+def _infidelity_passes(height: int, width: int, method_passes: int, **kwargs: Any) -> int:
+    """One pass per patch (the replacements are cumulative) per patch size, per sample of a random baseline."""
+    side = min(height, width)
+    sizes = kwargs.get("patch_sizes") or (max(1, side // 4), max(1, side // 2))
+    patches = sum(math.ceil(height / p) * math.ceil(width / p) for p in sizes)
+    return patches * (int(kwargs.get("n_samples", 10)) if kwargs.get("baseline", "black") == "uniform" else 1)
+
+
+def _explainer_passes(height: int, width: int, method_passes: int, **kwargs: Any) -> int:
+    """A map of the method per noisy sample (max-sensitivity) or per other class (random logit)."""
+    return method_passes * int(kwargs.get("n_samples", 1))
 
 
 def _deletion_insertion(ctx: _Context, key: str, **kwargs: Any) -> torch.Tensor:
@@ -144,11 +158,28 @@ METRICS: dict[str, MetricSpec] = {
             "lower",
             _infidelity,
             defaults={"scaling": "optimal", "baseline": "uniform", "uniform_range": (0.0, 1.0), "n_samples": 5},
+            passes=_infidelity_passes,
         ),
-        MetricSpec("infidelity_quantus", "lower", _infidelity, defaults={"patch_sizes": (4,), "n_samples": 10}),
-        MetricSpec("max_sensitivity", "lower", _max_sensitivity, defaults={"radius": 0.02, "n_samples": 10}),
-        MetricSpec("random_logit", "lower", _random_logit, defaults={"similarity": "pearson"}),
-        MetricSpec("random_logit_ssim", "lower", _random_logit, defaults={"similarity": "ssim"}),
+        MetricSpec(
+            "infidelity_quantus",
+            "lower",
+            _infidelity,
+            defaults={"patch_sizes": (4,), "n_samples": 10},
+            passes=_infidelity_passes,
+        ),
+        MetricSpec(
+            "max_sensitivity",
+            "lower",
+            _max_sensitivity,
+            defaults={"radius": 0.02, "n_samples": 10},
+            passes=_explainer_passes,
+        ),
+        MetricSpec(
+            "random_logit", "lower", _random_logit, defaults={"similarity": "pearson"}, passes=_explainer_passes
+        ),
+        MetricSpec(
+            "random_logit_ssim", "lower", _random_logit, defaults={"similarity": "ssim"}, passes=_explainer_passes
+        ),
         MetricSpec("pointing_game", "higher", _localisation(pointing_game), needs_masks=True),
         MetricSpec("energy_pointing_game", "higher", _localisation(energy_pointing_game), needs_masks=True),
         MetricSpec("mask_iou", "higher", _localisation(top_k_mask_iou), needs_masks=True),
@@ -163,6 +194,9 @@ DEFAULT_METRICS: tuple[str, ...] = (
     "pointing_game",
 )
 TIME_COLUMN = "ms/image"
+# A metric that makes more classifier passes than this for one method over all the images is announced before it
+# runs (evaluate()'s cost warning): on a CPU at 224 px that is minutes.
+SLOW_METRIC_PASSES = 5_000
 RANKED_BY_COLUMN = "ranked by"
 # Metrics whose score depends only on the order of the pixels under the map (they use the ranking map).
 RANKING_METRICS = frozenset(
@@ -372,6 +406,31 @@ def _without_mask_metrics(settings: dict[str, dict[str, Any]], has_masks: bool, 
     return kept
 
 
+def warn_slow_metrics(
+    explainers: Mapping[str, Explainer],
+    settings: Mapping[str, Mapping[str, Any]],
+    size: tuple[int, int],
+    images: int,
+) -> None:
+    """One warning per (method, metric) whose classifier passes over ``images`` images of ``size`` (H, W) exceed
+    :data:`SLOW_METRIC_PASSES`, naming the estimate and the settings that set it, before any of them runs."""
+    from attr_engine.baselines.cost import method_cost
+
+    for name, kwargs in settings.items():
+        estimate = METRICS[name].passes
+        if estimate is None:
+            continue
+        for label, explainer in explainers.items():
+            per_image = estimate(*size, method_cost(explainer, *size).passes, **kwargs)
+            if per_image * images > SLOW_METRIC_PASSES:
+                warnings.warn(
+                    f"{name} on {label}: about {per_image:,} classifier passes per image, {per_image * images:,} for "
+                    f"{images} image(s) at {size[0]} x {size[1]} px; this may take long (fewer images, a smaller "
+                    f"--img-size or a lighter metric are faster)",
+                    stacklevel=3,
+                )
+
+
 def _timed_maps(
     explainer: Explainer, x: torch.Tensor, target: torch.Tensor, batch_size: int
 ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
@@ -414,6 +473,7 @@ def evaluate(
     title: str = "",
     log: Callable[[str], None] | None = None,
     extra_rankings: bool = False,
+    step: Callable[[str], None] | None = None,
 ) -> Leaderboard:
     """Score every method on every metric over the same images.
 
@@ -432,6 +492,8 @@ def evaluate(
         keep: how many images (and their maps) to keep for figures.
         title: caption stored on the result.
         log: called with a progress line per method.
+        step: called with ``"method: maps"`` / ``"method: metric"`` before each step (a progress bar's ticks: there
+            are ``len(methods) * (1 + len(metrics))``).
         extra_rankings: add a row per extra reduction a method declares (the pullbacks: ``x·(x−r)`` and the signed
             mean) with its deletion / insertion, after the method's row.
 
@@ -460,7 +522,8 @@ def evaluate(
     at_chance = chance_level(logits, labels)
     if at_chance is not None:
         warnings.warn(at_chance, ChanceLevelWarning, stacklevel=2)
-
+    warn_slow_metrics(explainers, settings, (x.shape[-2], x.shape[-1]), len(x))
+    tick = step or (lambda name: None)
     rows: list[dict[str, float | str]] = []
     board = Leaderboard(rows=rows, metrics=list(settings), directions={}, title=title)
     board.directions = {name: METRICS[name].direction for name in settings} | {TIME_COLUMN: "lower"}
@@ -468,6 +531,7 @@ def evaluate(
     board.notes += [at_chance[0].upper() + at_chance[1:] + "."] if at_chance is not None else []
     for label, explainer in explainers.items():
         start = time.perf_counter()
+        tick(f"{label}: maps")
         maps, channels, ms = _timed_maps(explainer, x, targets, batch_size)
         ranking, ranked_by = maps, None
         if channels is not None and explainer.ranking_reduce is not None:
@@ -480,6 +544,7 @@ def evaluate(
         ctx.cache.clear()
         for name, kwargs in settings.items():
             use = ranked if name in RANKING_METRICS else ctx
+            tick(f"{label}: {name}")
             per_image = METRICS[name].compute(use, **kwargs).detach().float().cpu()
             board.scores[label][name] = per_image
             finite = per_image[torch.isfinite(per_image)]

@@ -551,12 +551,10 @@ class Explainer:
         ablation methods (see :func:`captum_order`: a target is integer classes, a baseline never is).
 
         Args:
-            inputs: (B, 3, H, W) images in [0, 1], on the classifier's device, any floating dtype (cast to the
-                classifier's). Values above 1.1 (0..255 pixels, normalised images) give one
-                :class:`ImageRangeWarning` per process.
-            target: class per image (int, sequence or (B,) tensor); ``None`` explains the predicted class.
-                Resolved by :func:`~attr_engine.classifier.resolve_targets`: booleans, a wrong length or a class
-                out of range are a ValueError.
+            inputs: (B, 3, H, W) images in [0, 1] on the classifier's device, any floating dtype; values above
+                1.1 (0..255 pixels, normalised images) give one :class:`ImageRangeWarning` per process.
+            target: class per image (int, sequence or (B,) tensor); ``None`` explains the predicted class
+                (:func:`~attr_engine.classifier.resolve_targets`: a bool, wrong length or class is a ValueError).
             baselines: the reference of methods that use one (Integrated Gradients, occlusion, DeepLift, ...,
                 and ``reduce="input"``): a number, ``"black"``, ``"mean"``, ``"blur"`` or a tensor (3, H, W),
                 (1, 3, H, W) or (B, 3, H, W). None: the construction-time value, else the method's default.

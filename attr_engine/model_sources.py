@@ -37,6 +37,7 @@ __all__ = [
     "IMAGENET_STD",
     "TORCHVISION_PREFIX",
     "HFImageClassifier",
+    "as_hf_adapter",
     "build_torchvision",
     "check_torchvision_name",
     "import_transformers",
@@ -191,6 +192,32 @@ def is_hf_classifier(model: nn.Module) -> bool:
     return isinstance(model, HFImageClassifier)
 
 
+def _is_transformers_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel``, read from its class ancestry (no import)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(model).mro())
+
+
+def as_hf_adapter(model: nn.Module) -> nn.Module:
+    """``model`` itself, or a raw transformers image classifier wrapped in :class:`HFImageClassifier`.
+
+    A transformers model takes ``pixel_values`` and returns an output object (its logits in ``.logits``), so it
+    cannot be called as a logits module; ``*ForImageClassification`` models (ViT, DeiT, BEiT, ConvNeXt, Swin, ...:
+    transformers' naming for the image-classification heads) are wrapped. Any other transformers model
+    (``ViTModel``, a text model) has no class logits to explain.
+
+    Raises:
+        ValueError: a transformers model that is not an image classifier, in one line naming HFImageClassifier.
+    """
+    if not _is_transformers_model(model) or isinstance(model, HFImageClassifier):
+        return model
+    if "ForImageClassification" not in type(model).__name__:
+        raise ValueError(
+            f"{type(model).__name__} is a transformers model without an image-classification head; Classifier "
+            "wraps *ForImageClassification models in HFImageClassifier (AutoModelForImageClassification)"
+        )
+    return HFImageClassifier(model)
+
+
 class HFImageClassifier(nn.Module):
     """A transformers image classifier as a plain ``(B, 3, H, W) -> (B, K)`` logits module.
 
@@ -235,11 +262,15 @@ class HFImageClassifier(nn.Module):
         """x: (B, 3, H, W) -> the model's hidden states: the embeddings, then one per layer or stage, each
         (B, N, D) tokens (transformers) or (B, C, h, w) maps (CNNs, and hierarchical transformers such as Swin,
         whose ``reshaped_hidden_states`` are taken: their stages' tokens lie on grids coarser than the patches)."""
+        return self.logits_and_hidden_states(x)[1]
+
+    def logits_and_hidden_states(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """x: (B, 3, H, W) -> ((B, K) logits, :meth:`hidden_states`), both from one pass of the model."""
         out = self._call(x, output_hidden_states=True)
         states = getattr(out, "reshaped_hidden_states", None) or getattr(out, "hidden_states", None)
         if not states:
             raise ValueError(f"{type(self.hf).__name__} returns no hidden_states")
-        return tuple(states)
+        return (out.logits if hasattr(out, "logits") else out[0]), tuple(states)
 
 
 def _hf_processor_cfg(processor: Any, ident: str, img_size: int | None) -> dict[str, Any]:

@@ -17,26 +17,12 @@ Each actor (:class:`BatchAttributor`) loads the classifier and builds the method
 ``train-classifier`` / ``demo`` or a timm model, and ``aha`` (a checkpoint directory), ``pullback`` (Pullback
 Ascent), ``pullback-soft`` or any registered baseline.
 
-**Input batches** take one of three layouts (the first column found wins):
-
-- ``image``: decoded images, as :func:`ray.data.read_images` gives them (``(h, w, 3)`` or ``(h, w)`` uint8 /
-  uint16 arrays; read with ``mode="RGB"`` for a dataset of mixed modes);
-- ``bytes`` (+ ``path``): encoded files, as ``ray.data.read_binary_files(..., include_paths=True)`` gives them,
-  decoded here exactly as ``attr-engine explain`` decodes a file (EXIF rotation, 16-bit and float greyscale);
-- ``path`` alone: files the actor opens itself (a local disk or a filesystem every node mounts);
-  ``attr-engine explain --engine ray`` uses this one.
-
-Every image is cut as the classifier expects (timm's data config: :func:`attr_engine.imageops.data_config`, the
-same :func:`attr_engine.imageops.prepare_input` the local engine uses). Other input columns pass through.
-
-**Output columns**: ``map`` (float32, ``(H, W)`` in the classifier's frame, or ``(h, w)`` in the image's own with
-``frame="image"``, the border the crop cut away ``NaN``), ``target`` (the class explained), ``probability`` (the
-classifier's softmax probability of that class, float32; ``NaN`` for unreadable rows), ``height`` / ``width``
-(the image's size), ``error`` (``""``, or why the image could not be read: such a row has a ``(0, 0)`` map and
-target ``-1``, and the job goes on; or :data:`attr_engine.explainer.NONFINITE_MAP` when the method's map had NaN
-or infinite values: a ``(0, 0)`` map with its target), optionally ``deletion`` / ``insertion`` (AUCs of the map,
-AHA protocol, ``NaN`` for unreadable rows) and, with ``return_images``, ``original`` (``(3, h, w)`` uint8, image
-frame) or ``input`` (``(3, H, W)`` float32, the classifier's input, model frame) for overlays.
+**Input batches**: a column ``image`` (decoded, as :func:`ray.data.read_images` gives them), ``bytes`` (+ ``path``:
+encoded files, decoded here as ``attr-engine explain`` decodes a file) or ``path`` alone (files the actor opens);
+the first found wins, other columns pass through. Every image is cut as the classifier expects
+(:func:`attr_engine.imageops.prepare_input`, as the local engine). **Output columns**: ``map``, ``target``,
+``probability``, ``height`` / ``width``, ``error`` and optionally ``deletion`` / ``insertion`` and the images;
+their shapes and meanings: docs/ray.md.
 
 Ray is imported only by the functions that run a job: ``import attr_engine`` (and ``attr-engine --help``) never
 loads it.
@@ -330,7 +316,16 @@ def attribute_dataset(
 
 
 class RemoteWorkerError(ValueError):
-    """A Ray actor failed (building the method, a batch): its own error message, one line, without Ray's traceback."""
+    """A Ray actor failed (building the method, a batch): its own error message, one line, without Ray's traceback.
+
+    Attributes:
+        remote_type: the name of the exception class the actor raised (``"ValueError"``, ``"OutOfMemoryError"``,
+            ...), so a caller judges it as it would the same error raised here.
+    """
+
+    def __init__(self, message: str, remote_type: str = "ValueError") -> None:
+        super().__init__(message)
+        self.remote_type = remote_type
 
 
 def _probe(address: str, timeout: float = 5.0) -> None:
@@ -375,22 +370,48 @@ def ray_session(address: str | None = None, *, verbose: bool = False) -> Iterato
         os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
     try:
         try:
-            ray.init(
-                address=address,
-                include_dashboard=False,
-                configure_logging=False,
-                logging_level=logging.INFO if verbose else logging.ERROR,
-                log_to_driver=verbose,
-            )
+            with contextlib.nullcontext() if verbose else _native_stderr_hidden():
+                ray.init(
+                    address=address,
+                    include_dashboard=False,
+                    configure_logging=False,
+                    logging_level=logging.INFO if verbose else logging.ERROR,
+                    log_to_driver=verbose,
+                )
         except ConnectionError as err:
             text = " ".join(str(err).split())
             raise ConnectionError(f"cannot connect to the Ray cluster at {address}: {text}") from None
         try:
             yield
         finally:
-            ray.shutdown()
+            with contextlib.nullcontext() if verbose else _native_stderr_hidden():
+                ray.shutdown()
     finally:
         ray_logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _native_stderr_hidden() -> Iterator[None]:
+    """File descriptor 2 sent to /dev/null for the block: Ray's C++ core writes to it directly while it starts and
+    stops (``logging.cc ... RAY_BACKEND_LOG_LEVEL``, GCS client notes), where no Python logger reaches. Python's own
+    errors are raised, not printed, so nothing the caller reports is lost."""
+    import sys
+
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a captured or replaced stderr (pytest, notebooks)
+        fd = 2
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
+        os.close(devnull)
 
 
 def plan_actors(actors: int, gpus_per_actor: float | None, device: str, *, strict: bool = True) -> float:
@@ -452,19 +473,38 @@ def plan_actors(actors: int, gpus_per_actor: float | None, device: str, *, stric
     return float(gpus)
 
 
-def _one_line(err: BaseException) -> str:
-    """The message of the error an actor raised, out of Ray's wrapping (task and actor-death errors)."""
+# Ray's wrappers of an actor's error: the actor's own exception is the one inside them.
+_RAY_WRAPPERS = ("RayError", "RayTaskError", "RayActorError", "UserCodeException", "RayDataUserCodeException",
+                 "SystemException", "ActorDiedError")  # fmt: skip
+
+
+def _is_ray_error(err: BaseException) -> bool:
+    """An exception of Ray's own (``ray.exceptions``, ``ray.data.exceptions``, a task error's dynamic class)."""
+    return type(err).__module__.split(".")[0] == "ray"
+
+
+def _one_line(err: BaseException) -> tuple[str, str]:
+    """The class name and message of the error an actor raised, out of Ray's wrapping (task, Ray Data user-code and
+    system errors, actor deaths): the actor's exception object where Ray kept it, else the last line of Ray's text
+    that names an exception other than Ray's own."""
     import re
 
-    cause = getattr(err, "cause", None)
-    text = str(cause if isinstance(cause, BaseException) else err)
-    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # Ray colours the actor's name
+    chain = [err]
+    while _is_ray_error(chain[-1]) and len(chain) < 8:
+        inner = getattr(chain[-1], "cause", None) or chain[-1].__cause__ or chain[-1].__context__
+        if not isinstance(inner, BaseException):
+            break
+        chain.append(inner)
+    if not _is_ray_error(chain[-1]):
+        inner = chain[-1]
+        return type(inner).__name__, " ".join(str(inner).split()) or type(inner).__name__
+    text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(str(e) for e in chain))  # Ray colours the actor's name
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for line in reversed(lines):
-        match = re.match(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception)): (.+)$", line)
-        if match:
-            return match.group(2)
-    return lines[-1] if lines else type(err).__name__
+        match = re.match(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception))(?:\(\w+\))?: (.+)$", line)
+        if match and match.group(1) not in _RAY_WRAPPERS:
+            return match.group(1), match.group(2)
+    return type(err).__name__, lines[-1] if lines else type(err).__name__
 
 
 def explain_items(
@@ -507,7 +547,8 @@ def explain_items(
     with ray_session(address, verbose=verbose):
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # explain draws its own bar
-        logging.getLogger("ray.data").setLevel(logging.INFO if verbose else logging.ERROR)
+        # Ray Data logs an actor's error itself (three lines and a log path): the driver reports it in one line.
+        logging.getLogger("ray.data").setLevel(logging.INFO if verbose else logging.CRITICAL)
         ds = _map_job(ray.data.from_pandas(blocks), job, batch_size=size, concurrency=actors, num_gpus=num_gpus,
                       num_cpus=1.0)  # fmt: skip
         yield from _rows(ds, items, job)
@@ -515,7 +556,6 @@ def explain_items(
 
 def _rows(ds: ray.data.Dataset, items: list[Item], job: AttributionJob) -> Iterator[ItemResult]:
     """The job's output rows as ItemResults, each input once; an actor's failure as one line."""
-    import ray
     import torch
 
     seen: set[int] = set()
@@ -525,8 +565,12 @@ def _rows(ds: ray.data.Dataset, items: list[Item], job: AttributionJob) -> Itera
             row = next(rows)
         except StopIteration:
             return
-        except ray.exceptions.RayError as err:  # Ray Data's UserCodeException and actor deaths are RayErrors
-            raise RemoteWorkerError(f"a Ray actor failed: {_one_line(err)}") from None
+        except Exception as err:  # Ray's task, user-code and system errors, actor deaths
+            if not _is_ray_error(err):
+                raise
+            kind, message = _one_line(err)
+            # The actor's own line, as the local engine would print it for the same error.
+            raise RemoteWorkerError(message, kind) from None
         index = int(row["index"])
         if index in seen:  # a retried batch is emitted once; this only guards the writes if that ever changes
             continue

@@ -3,6 +3,7 @@
     python -u -m benches.bench_aha_ablate --data photos --kind resnet --cache reports/cache --out reports/ablate
     python -u -m benches.bench_aha_ablate --data shapes --kind vit --family refs,image --cache reports/cache
     python -u -m benches.bench_aha_ablate --quick --data photos --kind resnet --out reports/ablate-quick  # smoke
+    python -u -m benches.bench_aha_ablate --gap 50 --data photos --kind resnet --cache reports/cache  # issue #31
 
 The classifier and the default AHA explainer are the leaderboard's (:func:`benches.bench_leaderboard.train`, same
 budget, seed and ``--cache`` key), so the ``default`` row of a table is the leaderboard's AHA (T=0). Every other row
@@ -13,6 +14,8 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
 
 - ``refs``: the reference set drawn from during training: the mean colour alone (the evaluation's reference)
   against the official three (black, mean colour, blur).
+- ``refs-each``: each reference alone (mean colour, black, blur), to be scored with ``--score-reference`` set to
+  each in turn (issue #31: the effect of the choice for users who score with black or blur).
 - ``targets``: the target pair: the predicted class and the label (or the runner-up), against the predicted class.
 - ``grid``: the grid range: half and double the rule's (clipped to the image side).
 - ``image``: the capacity of the full-resolution image encoding (``image_dim``): 64 channels against 32.
@@ -20,6 +23,11 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
   stride-32 stage is 2 x 2); ViTs: the last two blocks only.
 - ``steps``: the training length: twice the steps.
 - ``decoder``: the light decoder (``AHAConfig.decoder="light"``, issue #24: 2-3.4x cheaper) against the full one.
+
+``--gap N`` (issue #31) replaces the families with the gap split on the first N test images: AHA T=0 and T=3,
+the per-image optimum of AHA's own objective (:meth:`AHA.optimise_maps`: a free map per image initialised from
+T=0, scored after each of ``--gap-steps`` Adam steps, rate ``--gap-lr``) and the peers, all on the same N images.
+optimum - T=0 is the amortization gap; best peer - optimum the objective gap (printed in the notes).
 
 Scored beside IG-50, gradient x input and the two pullbacks (with their ``x·(x−r)`` rows) on the same held-out
 images with :func:`attr_engine.evaluate.evaluate`: deletion / insertion (AHA protocol: mean-colour reference, 21
@@ -30,6 +38,7 @@ the top-k% mask IoU.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import time
 from pathlib import Path
@@ -43,7 +52,7 @@ from attr_engine.explainer import Explainer, get_explainer
 from attr_engine.report import leaderboard_markdown, write_markdown
 from benches.bench_leaderboard import FULL, PHOTOS_FULL, PHOTOS_QUICK, QUICK, composite, datasets, train
 
-FAMILIES = ("refs", "targets", "grid", "image", "taps", "steps", "decoder")
+FAMILIES = ("refs", "refs-each", "targets", "grid", "image", "taps", "steps", "decoder")
 PEERS = ("integrated-gradients", "gradient-x-input", "pullback-soft", "pullback-ascent")
 
 
@@ -54,6 +63,8 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
     """
     if family == "refs":
         return {"refs mean": {"references": ("mean",)}}
+    if family == "refs-each":
+        return {f"refs {r}": {"references": (r,)} for r in ("mean", "black", "blur")}
     if family == "targets":
         return {"targets pred+label": {"targets": "pred+label"}}
     if family == "grid":
@@ -80,10 +91,130 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 
+class _Precomputed:
+    """``fn(x, target) -> maps`` that returns maps computed beforehand for the same images (matched by content),
+    so that :func:`evaluate` scores them with the same code as every other row."""
+
+    def __init__(self, x: torch.Tensor, maps: torch.Tensor) -> None:
+        self.maps = {_key(img): m for img, m in zip(x, maps, strict=True)}
+
+    def __call__(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.maps[_key(img)] for img in x]).to(x.device)
+
+
+def _key(img: torch.Tensor) -> bytes:
+    return img.detach().float().cpu().contiguous().numpy().tobytes()
+
+
+def optimum_rows(aha: AHA, x: torch.Tensor, steps: list[int], lr: float, seed: int, log) -> dict[str, _Precomputed]:
+    """``{"optimum s=N": maps}`` of :meth:`AHA.optimise_maps` for every N in ``steps`` (chunks of 10 images, the
+    same grid draws for every chunk: each map depends on its image alone)."""
+    with torch.no_grad():
+        target = torch.cat([aha.classifier(c).argmax(dim=1) for c in x.split(64)])
+    chunks: dict[int, list[torch.Tensor]] = {s: [] for s in steps}
+    start = time.perf_counter()
+    for i in range(0, len(x), 10):
+        out = aha.optimise_maps(x[i : i + 10], target[i : i + 10], steps=max(steps), record=steps, lr=lr, seed=seed)
+        for s in steps:
+            chunks[s].append(out[s].cpu())
+        log(f"optimum: {min(i + 10, len(x))}/{len(x)} images ({time.perf_counter() - start:.0f} s)")
+    return {f"optimum s={s}": _Precomputed(x, torch.cat(chunks[s])) for s in steps}
+
+
+def border_shares(maps: torch.Tensor, band: int, top: float = 0.1) -> tuple[float, float, float]:
+    """``(area, mass, top)`` shares of the outer ``band`` pixel rows and columns of maps (N, H, W): the band's
+    share of the pixels, of the positive map mass (maps standardised per image) and of each map's top ``top``
+    fraction of pixels (what deletion removes first); a map without a border preference has all three equal."""
+    maps = maps.float()
+    edge = torch.ones(maps.shape[-2:], dtype=torch.bool)
+    edge[band:-band, band:-band] = False
+    z = (maps - maps.mean(dim=(1, 2), keepdim=True)) / maps.std(dim=(1, 2), keepdim=True).clamp_min(1e-12)
+    pos = z.clamp_min(0)
+    mass = float((pos[:, edge].sum(1) / pos.flatten(1).sum(1).clamp_min(1e-12)).mean())
+    k = max(1, round(top * edge.numel()))
+    idx = z.flatten(1).topk(k, dim=1).indices
+    top_share = float(edge.flatten()[idx].float().mean())
+    return float(edge.float().mean()), mass, top_share
+
+
+def replicate_padded(aha: AHA) -> AHA:
+    """A copy of ``aha`` whose decoder convolutions pad by replicating the edge instead of with zeros (the trained
+    weights unchanged): a probe of how much of the border mass the zero padding draws."""
+    probe = aha.with_options()
+    probe.decoder = copy.deepcopy(aha.decoder)
+    for module in probe.decoder.modules():
+        if isinstance(module, torch.nn.Conv2d) and module.padding != (0, 0):
+            module.padding_mode = "replicate"
+    return probe
+
+
+def times_distance(aha: AHA):
+    """``fn(x, target)``: AHA's T=0 map shifted to be non-negative, times each pixel's distance ``|x - r|`` (over the
+    channels) from the mean-colour reference: a post-hoc, untrained probe of the sub-cell order ``x·(x−r)``
+    rankings exploit (pixels near the reference change nothing when deleted, so they go last)."""
+    explainer = get_explainer("aha", aha.classifier, aha=aha)
+
+    def explain(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        maps = explainer.attribute(x, target)
+        shifted = maps - maps.flatten(1).min(dim=1).values[:, None, None]
+        return shifted * (x - aha.classifier.norm_mean.view(1, -1, 1, 1)).norm(dim=1)
+
+    return explain
+
+
+def gap(args: argparse.Namespace, classifier, aha: AHA, test_set, budget, acc: float) -> Leaderboard:
+    """The gap split (issue #31, item 1) on the first ``args.gap`` test images; see the module docstring."""
+    x, labels = test_set.tensors()[:2]
+    x, labels = x[: args.gap], labels[: args.gap]
+    log = lambda line: print(f"[{args.kind}] {line}", flush=True)
+    start = time.perf_counter()
+    methods: dict[str, object] = {
+        "AHA (T=0)": get_explainer("aha", classifier, aha=aha),
+        "AHA (T=3)": get_explainer("aha", classifier, aha=aha, refine_steps=3, seed=args.seed),
+    }
+    methods.update(optimum_rows(aha, x, args.gap_steps, args.gap_lr, args.seed, log))
+    seconds = time.perf_counter() - start
+    methods["AHA (T=0), decoder replicate-padded"] = get_explainer("aha", classifier, aha=replicate_padded(aha))
+    methods["AHA (T=0) x |x-r|"] = times_distance(aha)
+    methods["IG-50"] = get_explainer("integrated-gradients", classifier, n_steps=budget.ig_steps)
+    methods["SfP"] = get_explainer("pullback-soft", classifier)
+    methods["PA"] = get_explainer("pullback-ascent", classifier)
+    board = evaluate(
+        classifier, methods, (x, labels), ["deletion", "insertion"], batch_size=16, seed=args.seed,
+        title=f"{args.kind} on {args.data} ({acc:.0%} accuracy), first {len(x)} of {budget.n_test} test images at "
+        f"{args.img} px: gap split", log=log, extra_rankings=True, keep=len(x),
+    )  # fmt: skip
+    scores = composite(board)
+    optimum = max((m for m in scores if m.startswith("optimum")), key=scores.get)
+    peers = {m: v for m, v in scores.items() if not m.startswith(("AHA", "optimum"))}
+    peer = max(peers, key=peers.get)
+    board.notes += [
+        f"optimum: AHA.optimise_maps, {max(args.gap_steps)} Adam steps at lr {args.gap_lr} ({seconds:.0f} s for "
+        f"{len(x)} images; its ms/image column is a table look-up), grids {aha.config.grid_range}, "
+        f"{aha.config.n_fractions} fractions, tau {aha.config.tau_end}, mean-colour reference",
+        "composite (insertion - deletion): " + ", ".join(f"{m} {v:.3f}" for m, v in scores.items()),
+        f"amortization gap (best optimum row {optimum} - T=0): {scores[optimum] - scores['AHA (T=0)']:+.3f}; "
+        f"objective gap (best peer {peer} - {optimum}): {peers[peer] - scores[optimum]:+.3f}",
+    ]
+    for band in (2, 4):
+        shares = {m: border_shares(maps, band) for m, maps in board.maps.items()}
+        area = next(iter(shares.values()))[0]
+        board.notes.append(
+            f"outer {band} px ({area:.1%} of the pixels), share of positive mass / of the top 10 %: "
+            + ", ".join(f"{m} {v[1]:.1%} / {v[2]:.1%}" for m, v in shares.items())
+        )
+    return board
+
+
 def run(args: argparse.Namespace) -> Leaderboard:
     budget = (PHOTOS_QUICK if args.quick else PHOTOS_FULL) if args.data == "photos" else (QUICK if args.quick else FULL)
     torch.manual_seed(args.seed)
     classifier, aha, _, acc = train(args.kind, budget, args.seed, print, args.data, args.img, args.cache)
+    if args.gap:
+        if args.score_reference != "mean":
+            raise SystemExit("--gap scores against the mean colour, the reference of AHA's objective")
+        _, test_set = datasets(args.data, budget, args.img, args.seed)
+        return gap(args, classifier, aha, test_set, budget, acc)
     levels = len(aha.backbone.indices)
     base = AHAConfig(n_fractions=8, targets="pred", seed=args.seed)  # the leaderboard's (bench_leaderboard.train)
     # The leaderboard's train and test sets; --n-test takes more images of the same test distribution.
@@ -118,7 +249,11 @@ def run(args: argparse.Namespace) -> Leaderboard:
     options = {"integrated-gradients": {"n_steps": budget.ig_steps}}
     for name in PEERS:
         methods[name] = get_explainer(name, classifier, **options.get(name, {}))
-    metrics = ["deletion", "insertion"] + ([] if args.data == "photos" else ["energy_pointing_game", "mask_iou"])
+    # --score-reference: deletion and insertion against that reference (the x·(x−r) rows keep r = the mean colour).
+    ref = {"reference": args.score_reference}
+    metrics = {"deletion": ref, "insertion": ref}
+    if args.data != "photos":
+        metrics |= {"energy_pointing_game": {}, "mask_iou": {}}
     board = evaluate(
         classifier,
         methods,
@@ -126,7 +261,8 @@ def run(args: argparse.Namespace) -> Leaderboard:
         metrics,
         batch_size=16,
         seed=args.seed,
-        title=f"{args.kind} on {args.data} ({acc:.0%} accuracy), {len(test_set)} images at {args.img} px: ablations",
+        title=f"{args.kind} on {args.data} ({acc:.0%} accuracy), {len(test_set)} images at {args.img} px: ablations"
+        f" (scored against the {args.score_reference} reference)",
         log=lambda line: print(f"[{args.kind}] {line}", flush=True),
         extra_rankings=True,
     )
@@ -143,6 +279,11 @@ def main() -> None:
     parser.add_argument("--img", type=int, default=64)
     parser.add_argument("--family", default=",".join(FAMILIES), help=f"comma-separated, from {FAMILIES}")
     parser.add_argument("--n-test", type=int, default=None, help="held-out images (default: the leaderboard's)")
+    refs = ("mean", "black", "blur")
+    parser.add_argument("--score-reference", choices=refs, default="mean", help="deletion / insertion reference")
+    parser.add_argument("--gap", type=int, default=0, help="the gap split on the first N test images (issue #31)")
+    parser.add_argument("--gap-steps", default="0,3,10,30,100", help="optimum steps scored (comma-separated)")
+    parser.add_argument("--gap-lr", type=float, default=0.05, help="the optimum's Adam step size")
     parser.add_argument("--quick", action="store_true", help="the leaderboard's smoke budget")
     parser.add_argument("--cache", type=Path, default=None, help="the leaderboard's cache of trained models")
     parser.add_argument("--out", type=Path, default=Path("reports/ablate"))
@@ -150,13 +291,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     args.family = [f.strip() for f in args.family.split(",") if f.strip()]
+    args.gap_steps = sorted({int(s) for s in args.gap_steps.split(",")})
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
     board = run(args)
     text = leaderboard_markdown(board)
     print(text)
-    path = write_markdown(text, args.out / f"ablate_{args.data}_{args.kind}_{args.img}px.md")
+    stem = "gap" if args.gap else "ablate" + ("" if args.score_reference == "mean" else f"_{args.score_reference}")
+    path = write_markdown(text, args.out / f"{stem}_{args.data}_{args.kind}_{args.img}px.md")
     print(f"wrote {path}; total {time.perf_counter() - start:.0f} s")
 
 

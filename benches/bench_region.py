@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from benches._common import DEVICE, peak_memory_mb, providers
 from kernels._backend import set_backend
-from kernels.region import gaussian_taps, region_pool, soft_mask_blend
+from kernels.region import region_pool, soft_mask_blend, soft_mask_blend_reference
 
 POOL_SHAPE: dict[str, object] = {"op": "region_pool", "batch": 32, "size": 224, "grid": 14}
 BLEND_SHAPE: dict[str, object] = {
@@ -37,16 +37,6 @@ BLEND_SMOOTH_SHAPE: dict[str, object] = {**BLEND_SHAPE, "sigma": 1.0}
 
 def _eager_pool(amap: torch.Tensor, grid: int) -> torch.Tensor:
     return F.adaptive_avg_pool2d(amap[:, None], grid)[:, 0]
-
-
-def _eager_blend(x: torch.Tensor, reference: torch.Tensor, masks: torch.Tensor, sigma: float = 0.0) -> torch.Tensor:
-    up = F.interpolate(masks, size=x.shape[-2:], mode="nearest")
-    if sigma > 0:  # the official AHA mask smoothing
-        taps = gaussian_taps(sigma).to(x)
-        k = taps.numel()
-        flat = F.pad(up.flatten(0, 1)[:, None], (k // 2,) * 4, mode="reflect")
-        up = F.conv2d(flat, (taps[:, None] * taps[None, :])[None, None]).view_as(up).clamp(0.0, 1.0)
-    return x[:, None] + up[:, :, None] * (reference - x)[:, None]
 
 
 def make_case(
@@ -75,7 +65,7 @@ def make_case(
         ]
         grad = torch.randn(batch, n_masks, channels, size, size, device=device)
         if provider == "eager":
-            fn = lambda x, r, m: _eager_blend(x, r, m, sigma)
+            fn = lambda x, r, m: soft_mask_blend_reference(x, r, m, smooth_sigma=sigma)
         else:
             fn = lambda x, r, m: soft_mask_blend(x, r, m, smooth_sigma=sigma)
     else:

@@ -14,7 +14,7 @@ import torch
 
 from benches._common import DEVICE, peak_memory_mb, providers
 from kernels._backend import set_backend
-from kernels.sinkhorn import sinkhorn, sinkhorn_eager
+from kernels.sinkhorn import sinkhorn, sinkhorn_reference
 
 SHAPES: list[dict[str, int]] = [{"B": 32, "N": 196, "n_iters": 20}] + (
     [{"B": 32, "N": 784, "n_iters": 20}] if DEVICE == "cuda" else []
@@ -32,7 +32,7 @@ def make_case(
     def run() -> torch.Tensor:
         log_alpha.grad = None
         if provider == "eager":
-            out = sinkhorn_eager(log_alpha, n_iters, tau)
+            out = sinkhorn_reference(log_alpha, n_iters, tau)
         else:
             with set_backend(provider):
                 out = sinkhorn(log_alpha, n_iters, tau)

@@ -1,6 +1,6 @@
 """soft_gate and soft_maxpool2d, forward + backward: eager detach formulation vs our reference vs Triton (CUDA).
 
-- eager: the detach formulations with plain autograd (``soft_gate_detach``; ``soft_maxpool2d_detach``, autograd
+- eager: the detach formulations with plain autograd (``soft_gate_reference``; ``soft_maxpool2d_reference``, autograd
   through ``F.unfold``), i.e. what one writes without a custom backward.
 - reference: our pure-PyTorch autograd functions (exact forward from torch, hand-written backward, saving only the
   input).
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from benches._common import DEVICE, peak_memory_mb, providers
 from kernels import set_backend
-from kernels.soft_gates import soft_gate, soft_gate_detach, soft_maxpool2d, soft_maxpool2d_detach
+from kernels.soft_gates import soft_gate, soft_gate_reference, soft_maxpool2d, soft_maxpool2d_reference
 
 MODULE = "benches.bench_soft_gates"
 ON_CUDA = DEVICE == "cuda"
@@ -39,11 +39,11 @@ def make_case(
         raise ValueError(f"unknown provider {provider!r}")
     x = torch.randn(B, C, H, W, device=device, requires_grad=True)
     if op == "soft_gate":
-        fn = soft_gate_detach if provider == "eager" else soft_gate
+        fn = soft_gate_reference if provider == "eager" else soft_gate
         forward = lambda: fn(x, "relu")
         out_shape = x.shape
     elif op == "soft_maxpool2d":
-        pool = soft_maxpool2d_detach if provider == "eager" else soft_maxpool2d
+        pool = soft_maxpool2d_reference if provider == "eager" else soft_maxpool2d
         forward = lambda: pool(x, *POOL_ARGS)
         # The output shape from a meta tensor: running the op here would raise the peak before it is measured.
         out_shape = F.max_pool2d(torch.empty(B, C, H, W, device="meta"), *POOL_ARGS).shape

@@ -14,7 +14,7 @@ import torch
 
 import kernels
 from benches._common import DEVICE, peak_memory_mb, providers
-from kernels.soft_rank import _sample_seeds, gumbel_noise, soft_topk_masks, soft_topk_masks_dense
+from kernels.soft_rank import _sample_seeds, gumbel_noise, soft_topk_masks, soft_topk_masks_reference
 
 HEADLINE = {"batch": 32, "n": 784, "n_iters": 30, "n_frac": 16}
 CASES = [HEADLINE, {"batch": 32, "n": 196, "n_iters": 30, "n_frac": 16}]
@@ -34,7 +34,7 @@ def make_case(
         noise = gumbel_noise(_sample_seeds(batch, 0, torch.device("cpu")), n, device=device)
 
         def run() -> torch.Tensor:
-            masks = soft_topk_masks_dense(scores, fractions, tau=tau, n_iters=n_iters, gumbel=noise)
+            masks = soft_topk_masks_reference(scores, fractions, tau=tau, n_iters=n_iters, gumbel=noise)
             masks.backward(grad_out)
             return masks
 

@@ -40,9 +40,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernels
 from benches.bench_region import _eager_blend, _eager_pool
-from kernels.sinkhorn import sinkhorn_eager
-from kernels.soft_gates import soft_gate_detach, soft_maxpool2d_detach
-from kernels.soft_rank import _sample_seeds, soft_topk_masks_dense, triton_gumbel_noise
+from kernels.sinkhorn import sinkhorn_reference
+from kernels.soft_gates import soft_gate_reference, soft_maxpool2d_reference
+from kernels.soft_rank import _sample_seeds, soft_topk_masks_reference, triton_gumbel_noise
 
 
 @dataclass
@@ -67,7 +67,7 @@ def _ops(device: str, smoke: bool) -> list[Op]:
     ops = []
     b, n, t = (2, 16, 5) if smoke else (32, 196, 20)
     ops.append(Op("sinkhorn", f"B{b} N{n} T{t}", [rand(b, n, n)],
-                  lambda x: kernels.sinkhorn(x, t, 0.5), lambda x: sinkhorn_eager(x, t, 0.5)))  # fmt: skip
+                  lambda x: kernels.sinkhorn(x, t, 0.5), lambda x: sinkhorn_reference(x, t, 0.5)))  # fmt: skip
 
     b, n, t, s = (2, 25, 4, 4) if smoke else (32, 784, 30, 16)
     fractions = torch.linspace(0, 1, s, device=device)
@@ -76,7 +76,7 @@ def _ops(device: str, smoke: bool) -> list[Op]:
     noise = triton_gumbel_noise(seed, b, n, device)
     ops.append(Op("soft_topk_masks", f"B{b} N{n} T{t} S{s}", [rand(b, n)],
                   lambda x: kernels.soft_topk_masks(x, fractions, tau=0.5, n_iters=t, generator=0),
-                  lambda x: soft_topk_masks_dense(x, fractions, tau=0.5, n_iters=t, gumbel=noise),
+                  lambda x: soft_topk_masks_reference(x, fractions, tau=0.5, n_iters=t, gumbel=noise),
                   check_against_eager=True))  # fmt: skip
 
     b, h, g = (2, 13, 4) if smoke else (32, 224, 14)
@@ -92,12 +92,13 @@ def _ops(device: str, smoke: bool) -> list[Op]:
 
     shape = (2, 3, 5, 7) if smoke else (32, 64, 56, 56)
     ops.append(Op("soft_gate", "x".join(map(str, shape)), [rand(*shape, normal=True)],
-                  lambda z: kernels.soft_gate(z, "gelu", 1.0), lambda z: soft_gate_detach(z, "gelu", 1.0)))  # fmt: skip
+                  lambda z: kernels.soft_gate(z, "gelu", 1.0),
+                  lambda z: soft_gate_reference(z, "gelu", 1.0)))  # fmt: skip
 
     shape = (2, 3, 9, 11) if smoke else (32, 64, 112, 112)
     ops.append(Op("soft_maxpool2d", "x".join(map(str, shape)) + " k3s2p1", [rand(*shape, normal=True)],
                   lambda x: kernels.soft_maxpool2d(x, 3, 2, 1, tau=0.3),
-                  lambda x: soft_maxpool2d_detach(x, 3, 2, 1, tau=0.3)))  # fmt: skip
+                  lambda x: soft_maxpool2d_reference(x, 3, 2, 1, tau=0.3)))  # fmt: skip
     return ops
 
 

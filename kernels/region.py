@@ -15,28 +15,17 @@ taps of pixel y that land in that cell after reflection. The reference multiplie
 pixel's few non-zero entries (a band of 2D + 1 cells around the pixel's own cell) and combine the grid values
 in registers, so no (B, S, H, W) mask is ever written.
 
-Gradient of the clamp (deliberate, not the official code's rule): it passes wherever the blurred mask lies in the
-closed interval [0, 1], so cells at exactly 0 or 1 receive the full gradient, as they do without smoothing
-(where nothing is clamped). The official code clamps the cells before upsampling with torch.clamp, whose gradient
-is zero at exactly 0 and 1 (and clamps again after the blur); that would make an all-0 or all-1 mask a stationary
-point that no step can move inward. The gate must not depend on rounding: a blur of cells that are all 1 rounds to
-1 +- a few ulps. So both paths let the gradient through where ``0 <= blur <= 1 + slack``, with ``slack =
-(n + 4) * eps`` of the accumulation dtype and n = (2 D_r + 1) (2 D_c + 1) the most cells a pixel's blur reaches
-(:func:`_clamp_slack`): a sum of at most n non-negative products of weights that sum to 1 exceeds its exact value,
-at most 1, by less than that in any summation order, so no rounding of a blur of cells at most 1 switches the
-gradient off (a blur genuinely above 1 by less than the slack, about 6e-6 in float32 at sigma 1 and 1 px cells,
-keeps it too). The lower end needs no slack: a blur of non-negative cells is never below 0 in floating point.
+Gradient of the clamp (deliberately not the official torch.clamp rule, whose zero gradient at exactly 0 and 1
+would make an all-0 or all-1 mask stationary): it passes wherever ``0 <= blur <= 1 + slack``, so cells at 0 or 1
+keep their gradient as they do unsmoothed; ``slack`` (:func:`_clamp_slack`) bounds the rounding of a blur of cells
+that are all 1, in any summation order. The derivation: docs/kernels.md ("Blend clamp gradient").
 
 Geometry (:func:`cell_index`): pixel row y belongs to grid row ``min(g - 1, floor((y * g + oy * H) / H))``, likewise
-for columns. With offset 0 the cells are the exact balanced partition ``floor(y * g / H)`` (F.interpolate's "nearest"
-source index, except where its float32 scale rounds across a cell boundary, about 1% of (H, g) pairs); an offset
-shifts the grid by a fraction of a cell, shortening the first cell and letting the last absorb the remainder. The
-index maps are computed once on the host in float64 (and cached per shape, grid, offset and device); both paths are
-fed from them (the reference as flat cell ids and membership matrices, the kernels as int32 maps and cell
-boundaries), so the reference and Triton agree exactly on which pixel belongs to which cell and on cell areas.
-
-Kernel offsets: program ids are read as int64 (``kernels._tl_helpers._pid``), so every offset built from them is
-int64 and cannot overflow at large B * S * C * H * W.
+for columns: with offset 0 the exact balanced partition ``floor(y * g / H)``; an offset shifts the grid by a
+fraction of a cell, shortening the first cell and letting the last absorb the remainder. The index maps are computed
+once on the host in float64 (cached per shape, grid, offset and device) and feed both paths (the reference as flat
+cell ids and membership matrices, the kernels as int32 maps and cell boundaries), so the reference and Triton agree
+exactly on which pixel belongs to which cell and on cell areas.
 
 Layout: geometry -> references -> Triton kernels -> launchers (torch.library ops) -> autograd wiring -> public ops.
 """
@@ -50,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.library import custom_op, triton_op, wrap_triton
 
@@ -208,7 +198,7 @@ def _reduce_cells(t: Tensor, mats: tuple[Tensor, Tensor]) -> Tensor:
 def _upsample(masks: Tensor, grid: _Grid) -> Tensor:
     """(..., g, g) -> (..., H, W) nearest upsampling: one gather with the flat per-pixel cell id.
 
-    Gathering along dim 1 of a 2-D view is some 20x faster on the CPU than along the last dim of a 3-D one.
+    Gathers along dim 1 of a 2-D view: on the CPU much faster than along the last dim of a 3-D one.
     """
     flat = masks.reshape(-1, grid.g * grid.g).index_select(1, grid.cell)
     return flat.view(*masks.shape[:-2], grid.rows.shape[0], -1)
@@ -921,6 +911,26 @@ def _check_sigma(sigma: float, h: int, w: int) -> float:
     return sigma
 
 
+def soft_mask_blend_reference(x: Tensor, reference: Tensor, masks: Tensor, *, smooth_sigma: float = 0.0) -> Tensor:
+    """Plain-autograd statement of :func:`soft_mask_blend` at offset (0, 0): nearest upsampling, then blend.
+
+    ``up = interpolate(masks, (H, W), nearest)``; with ``smooth_sigma > 0`` the official AHA smoothing of ``up``:
+    reflect padding, a separable Gaussian :func:`gaussian_taps` convolution and ``clamp(0, 1)``; then
+    ``x + up[:, :, None] * (reference - x)[:, None]``. Nearest upsampling puts a pixel in the same cell as
+    :func:`region_pool` when g divides H and W. Autograd keeps the upsampled masks and output-sized temporaries
+    (the eager baseline of ``benches/bench_region.py``).
+
+    x, reference: (B, C, H, W); masks: (B, S, g, g). Returns (B, S, C, H, W).
+    """
+    up = F.interpolate(masks, size=x.shape[-2:], mode="nearest")
+    if smooth_sigma > 0:
+        taps = gaussian_taps(smooth_sigma).to(x)
+        k = taps.numel()
+        flat = F.pad(up.flatten(0, 1)[:, None], (k // 2,) * 4, mode="reflect")
+        up = F.conv2d(flat, (taps[:, None] * taps[None, :])[None, None]).view_as(up).clamp(0.0, 1.0)
+    return x[:, None] + up[:, :, None] * (reference - x)[:, None]
+
+
 def soft_mask_blend(
     x: Tensor,
     reference: Tensor,
@@ -989,4 +999,12 @@ def soft_mask_blend(
     return torch.ops.attr_engine.soft_mask_blend_reference(x, reference, masks, oy, ox, sigma)
 
 
-__all__ = ["MAX_BLEND_MASKS", "blur_kernel_size", "cell_index", "gaussian_taps", "region_pool", "soft_mask_blend"]
+__all__ = [
+    "MAX_BLEND_MASKS",
+    "blur_kernel_size",
+    "cell_index",
+    "gaussian_taps",
+    "region_pool",
+    "soft_mask_blend",
+    "soft_mask_blend_reference",
+]

@@ -1,6 +1,6 @@
 """Batched log-domain Sinkhorn normalisation: log_alpha (B, N, N) -> doubly-stochastic P (B, N, N).
 
-Definition (``sinkhorn_eager``): X = log_alpha / tau, then ``n_iters`` times X -= LSE over columns (each row sums to
+Definition (``sinkhorn_reference``): X = log_alpha / tau, then ``n_iters`` times X -= LSE over columns (each row sums to
 one), X -= LSE over rows (each column sums to one); P = exp(X).
 
 The fast paths run the same iterations in the dual (potentials) form. Writing K = log_alpha / tau, a row potential
@@ -9,34 +9,24 @@ O(B * N) numbers change between half-steps and the N x N weights are recomputed 
 
     u^t = -LSE_j(K + v^(t-1)),   v^t = -LSE_i(K + u^t),   v^0 = 0.
 
-For rounding, K is first shifted by its row maxima (u^0 = -max_j K, which the first half-step absorbs exactly, so P
-and its gradient are unchanged): the largest entry of every row of K' = K + u^0 is exactly 0, and the sums that
-matter stay small. The potentials of every half-step are kept, (B, T + 1, N) each (slot 0: the row shift and v^0),
-which is all the exact unrolled backward needs (R = dL/dP * P):
-
-    dK = R;  du^T = rowsum(R);  dv^T = colsum(R)
-    for t = T..1:  Q  = exp(K' + u^t + v^t)      (columns sum to 1)   dK -= dv^t[col] Q;   du^t -= Q dv^t
-                   Q' = exp(K' + u^t + v^(t-1))  (rows sum to 1)      dK -= du^t[row] Q';  dv^(t-1) = -Q'^T du^t
-    d log_alpha = dK / tau
+For rounding, K is first shifted by its row maxima (u^0 = -max_j K, absorbed exactly by the first half-step, so P
+and its gradient are unchanged): every row of K' = K + u^0 peaks at 0. The potentials of every half-step, (B, T + 1,
+N) each, are all the exact unrolled backward needs; its recurrence is written out in :mod:`kernels._sinkhorn_core`.
 
 The last half-step writes P = exp(x - m_j) / s_j straight from its column logsumexp (x = K' + u^T, m_j the column max,
 s_j the column sum of exp(x - m_j)), so the columns of P sum to one even where v^T itself is rounded. Accuracy: the
 potentials are O(max |log_alpha / tau|), so P carries a relative error of about fp32-eps times that spread (1e-7 at
 spread 1, ~1e-3 at spread 1e6); the eager form, which keeps the normalised matrix, is the more accurate one there.
 
-Paths: ``sinkhorn_eager`` (definition and gradcheck target), ``_SinkhornReference`` (pure PyTorch, batch-chunked,
+Paths: ``sinkhorn_reference`` (definition and gradcheck target), ``_SinkhornPotentials`` (pure PyTorch, batch-chunked,
 recomputing backward) and two fused Triton designs, chosen by :func:`kernels._backend.use_triton`:
 
 - N <= 64: one program per sample keeps the whole padded matrix in registers and runs every iteration (one launch
   forward, one backward); the matrix is read from memory once.
-- N > 64, filling the GPU: one launch per half-step over (sample, block of 32 rows or columns) programs, the
-  potentials in global memory between launches (a launch boundary is CUDA's only grid-wide barrier). At B = 32,
-  N = 784 that is 32 x 25 = 800 programs per launch on an H200's 132 SMs (6 per SM), where one program per sample
-  used 32 SMs. A half-step reads log_alpha once (B * N^2 * 4 bytes = 79 MB at fp32, ~20 us at the H200's
-  4.8 TB/s), well above a launch's few microseconds, so the 2T + 1 forward and 2T + 1 backward launches stay
-  bandwidth-bound; with one program per sample the same read ran at a quarter of the SMs' load bandwidth.
-  Tiles are 32 x 64, 16 fp32 values per thread per temporary at 4 warps: no register spills
-  (``python -m kernels.aot`` checks it).
+- N > 64: the tiled core of :mod:`kernels._sinkhorn_core`, shared with the soft-rank sorter: one launch per
+  half-step over (sample, block of 32 rows or columns) programs, the potentials in global memory between launches
+  (a launch boundary is CUDA's only grid-wide barrier), after one pass that writes the row shift u^0. The arithmetic
+  of this decomposition is in benches/README.md ("Sinkhorn core").
 """
 
 from __future__ import annotations
@@ -48,8 +38,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
+from kernels import _sinkhorn_core as core
 from kernels._backend import tl, triton, use_triton
-from kernels._tl_helpers import _lse, _lse_normaliser, _neg_lse, _online_lse, _pid, compute_dtype
+from kernels._sinkhorn_core import _cost_tile
+from kernels._tl_helpers import _lse, _pid, compute_dtype
 from kernels._validate import check_int_at_least, check_positive, check_tensor
 
 # The reference works on slabs of the batch so that its N x N temporaries stay ~16 MiB (fp32) whatever B is.
@@ -57,8 +49,6 @@ _CHUNK_ELEMENTS = 1 << 22
 # Largest N whose whole (padded) matrix one program keeps in registers; larger N streams tiles. At N = 128 the
 # backward's three live 128 x 128 fp32 tiles spill even at 16 warps (``python -m kernels.aot``), so 64 is the cap.
 _MAX_REGISTER_N = 64
-_OWN = 32  # rows (or columns) one program of a tiled pass owns
-_STREAM = 64  # width of the tiles it streams over the other dimension
 
 
 def _check_inputs(log_alpha: Tensor, n_iters: int, tau: float, validate: bool = True) -> float:
@@ -78,7 +68,7 @@ def _check_inputs(log_alpha: Tensor, n_iters: int, tau: float, validate: bool = 
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def sinkhorn_eager(log_alpha: Tensor, n_iters: int = 20, tau: float = 1.0) -> Tensor:
+def sinkhorn_reference(log_alpha: Tensor, n_iters: int = 20, tau: float = 1.0) -> Tensor:
     """Sinkhorn by its definition, differentiated by autograd through every iterate.
 
     Memory traffic: 2 * n_iters logsumexp-and-subtract passes, each reading and writing B * N^2 floats, and autograd
@@ -110,7 +100,7 @@ def _batch_chunks(batch: int, n: int) -> list[slice]:
     return [slice(i, min(i + step, batch)) for i in range(0, batch, step)]
 
 
-class _SinkhornReference(torch.autograd.Function):
+class _SinkhornPotentials(torch.autograd.Function):
     """Potentials-form Sinkhorn; saves log_alpha and the (B, T + 1, N) potentials, recomputes weights in backward.
 
     Memory: saved state O(B * T * N); temporaries a few chunk x N x N slabs in forward and backward. Traffic: each
@@ -187,7 +177,7 @@ def _sinkhorn_fwd_block_kernel(
     stride_lj,  # log_alpha stride between columns
     N,
     T,
-    tau,
+    inv_tau,
     BLOCK: tl.constexpr,  # padded N (power of two >= 16)
 ):
     """The whole forward of one sample with its (BLOCK x BLOCK) matrix in registers:
@@ -208,7 +198,7 @@ def _sinkhorn_fwd_block_kernel(
     k = tl.load(
         la_ptr + b * stride_lb + rows[:, None] * stride_li + cols[None, :] * stride_lj, mask=mask, other=float("-inf")
     )
-    k = k.to(tl.float32) / tau
+    k = k.to(tl.float32) * inv_tau
     u0 = tl.where(rmask, -tl.max(k, axis=1), 0.0)
     k = k + u0[:, None]
     u = tl.zeros([BLOCK], dtype=tl.float32)
@@ -231,24 +221,6 @@ def _sinkhorn_fwd_block_kernel(
 
 
 @triton.jit
-def _k_tile(
-    la_b,  # this sample's log_alpha, (N, N) strided
-    u0_b,  # this sample's row shift u^0, (N,) fp32
-    rows,  # (BLOCK_R,) row indices
-    cols,  # (BLOCK_C,) column indices
-    N,
-    stride_li,
-    stride_lj,
-    tau,
-):
-    """K' = log_alpha / tau + u^0 over a (BLOCK_R, BLOCK_C) tile in fp32; -inf outside the matrix."""
-    rmask = rows < N
-    mask = rmask[:, None] & (cols < N)[None, :]
-    k = tl.load(la_b + rows[:, None] * stride_li + cols[None, :] * stride_lj, mask=mask, other=float("-inf"))
-    return k.to(tl.float32) / tau + tl.load(u0_b + rows, mask=rmask, other=0.0)[:, None]
-
-
-@triton.jit
 def _sinkhorn_bwd_block_kernel(
     la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
     g_ptr,  # (B, N, N) dL/dP, strided (a broadcast gradient may have zero strides)
@@ -263,7 +235,7 @@ def _sinkhorn_bwd_block_kernel(
     stride_gj,  # dL/dP stride between columns
     N,
     T,
-    tau,
+    inv_tau,
     BLOCK: tl.constexpr,  # padded N (power of two >= 16)
 ):
     """The whole unrolled backward of one sample in registers (R = dL/dP * P):
@@ -281,7 +253,9 @@ def _sinkhorn_bwd_block_kernel(
     mask = rmask[:, None] & cmask[None, :]
     pot_u = u_ptr + b * (T + 1) * N
     pot_v = v_ptr + b * (T + 1) * N
-    k = _k_tile(la_ptr + b * stride_lb, pot_u, rows, cols, N, stride_li, stride_lj, tau)
+    k = _cost_tile(
+        la_ptr + b * stride_lb, pot_u, rows, cols, N, stride_li, stride_lj, inv_tau, 0.0, 0, 0.0, False, False
+    )
     g = tl.load(g_ptr + b * stride_gb + rows[:, None] * stride_gi + cols[None, :] * stride_gj, mask=mask, other=0.0)
     u_T = tl.load(pot_u + T * N + rows, mask=rmask, other=0.0)
     v_T = tl.load(pot_v + T * N + cols, mask=cmask, other=0.0)
@@ -299,7 +273,7 @@ def _sinkhorn_bwd_block_kernel(
         dv = -tl.sum(w, axis=0)
         du_direct = du_direct * 0.0  # the loss sees u^T directly, earlier u^t only through v^t
     tl.store(
-        dla_ptr + b * N * N + rows[:, None] * N + cols[None, :], (dk / tau).to(dla_ptr.dtype.element_ty), mask=mask
+        dla_ptr + b * N * N + rows[:, None] * N + cols[None, :], (dk * inv_tau).to(dla_ptr.dtype.element_ty), mask=mask
     )
 
 
@@ -317,7 +291,7 @@ def _sinkhorn_rowmax_kernel(
     stride_lj,  # log_alpha stride between columns
     N,
     T,
-    tau,
+    inv_tau,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -331,225 +305,8 @@ def _sinkhorn_rowmax_kernel(
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = rmask[:, None] & (cols < N)[None, :]
         k = tl.load(la_b + rows[:, None] * stride_li + cols[None, :] * stride_lj, mask=mask, other=float("-inf"))
-        mx = tl.maximum(mx, tl.max(k.to(tl.float32) / tau, axis=1))
+        mx = tl.maximum(mx, tl.max(k.to(tl.float32) * inv_tau, axis=1))
     tl.store(u_ptr + b * (T + 1) * N + rows, -mx, mask=rmask)
-
-
-@triton.jit
-def _sinkhorn_line_tile(
-    la_b,  # this sample's log_alpha, (N, N) strided
-    pot_u,  # this sample's row potentials, (T + 1, N) fp32
-    other,  # the potential added along the streamed dimension, (N,) fp32
-    own,  # (BLOCK_OWN,) indices of the lines this program owns
-    stream,  # (BLOCK_STREAM,) indices of the streamed tile
-    N,
-    stride_li,
-    stride_lj,
-    tau,
-    AXIS: tl.constexpr,  # 1: the program owns rows (tile (own, stream)); 0: it owns columns (tile (stream, own))
-):
-    """K' + other over one tile, oriented so that AXIS is the streamed (reduced) dimension."""
-    if AXIS == 1:
-        x = _k_tile(la_b, pot_u, own, stream, N, stride_li, stride_lj, tau)
-    else:
-        x = _k_tile(la_b, pot_u, stream, own, N, stride_li, stride_lj, tau)
-    return x + tl.expand_dims(tl.load(other + stream, mask=stream < N, other=0.0), 1 - AXIS)
-
-
-@triton.jit(do_not_specialize=["t"])
-def _sinkhorn_half_step_kernel(
-    la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
-    p_ptr,  # (B, N, N) output P, contiguous, log_alpha's dtype: written by the last v-step
-    u_ptr,  # (B, T + 1, N) fp32 row potentials: slot 0 read; slot t written (u-step) or read (v-step)
-    v_ptr,  # (B, T + 1, N) fp32 column potentials: slot t - 1 read (u-step) or slot t written (v-step)
-    stride_lb,  # log_alpha stride between batch elements
-    stride_li,  # log_alpha stride between rows
-    stride_lj,  # log_alpha stride between columns
-    N,
-    T,
-    t,  # half-step pair index, 1..T (runtime: one compiled kernel for every iteration)
-    tau,
-    AXIS: tl.constexpr,  # 1: u-step, the program owns rows; 0: v-step, it owns columns
-    BLOCK_OWN: tl.constexpr,  # lines this program owns
-    BLOCK_STREAM: tl.constexpr,  # width of the tiles it streams over the other dimension
-):
-    """One half-step for this program's lines, an online logsumexp over tiles of the other dimension:
-
-        AXIS = 1 (u-step):  u^t_i = -LSE_j(K'_ij + v^(t-1)_j)
-        AXIS = 0 (v-step):  v^t_j = -LSE_i(K'_ij + u^t_i);  at t = T also P_ij = exp(x_ij - m_j) / s_j, x = K' + u^T
-
-    P is written from the column max m and sum s themselves, not through the rounded v^T: its columns sum to 1.
-    One kernel for both directions (the row and column passes were two copies of this loop); each compiled variant
-    is the code of one direction only.
-    """
-    b = _pid(0)
-    own = _pid(1) * BLOCK_OWN + tl.arange(0, BLOCK_OWN)
-    la_b = la_ptr + b * stride_lb
-    pot_u = u_ptr + b * (T + 1) * N
-    pot_v = v_ptr + b * (T + 1) * N
-    if AXIS == 1:
-        out, other = pot_u + t * N, pot_v + (t - 1) * N
-    else:
-        out, other = pot_v + t * N, pot_u + t * N
-    mx = tl.full([BLOCK_OWN], float("-inf"), dtype=tl.float32)
-    acc = tl.zeros([BLOCK_OWN], dtype=tl.float32)
-    for s0 in range(0, N, BLOCK_STREAM):
-        stream = s0 + tl.arange(0, BLOCK_STREAM)
-        x = _sinkhorn_line_tile(la_b, pot_u, other, own, stream, N, stride_li, stride_lj, tau, AXIS)
-        mx, acc = _online_lse(mx, acc, x, AXIS)
-    tl.store(out + own, _neg_lse(mx, acc), mask=own < N)
-    if AXIS == 0:
-        if t == T:
-            shift, inv_sum = _lse_normaliser(mx, acc)
-            for s0 in range(0, N, BLOCK_STREAM):
-                rows = s0 + tl.arange(0, BLOCK_STREAM)
-                mask = (rows < N)[:, None] & (own < N)[None, :]
-                x = _sinkhorn_line_tile(la_b, pot_u, other, own, rows, N, stride_li, stride_lj, tau, AXIS)
-                p = tl.exp(x - shift[None, :]) * inv_sum[None, :]
-                tl.store(p_ptr + b * N * N + rows[:, None] * N + own[None, :], p.to(p_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _sinkhorn_bwd_init_kernel(
-    la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
-    g_ptr,  # (B, N, N) dL/dP, strided (a broadcast gradient may have zero strides)
-    u_ptr,  # (B, T + 1, N) fp32 row potentials saved by the forward
-    v_ptr,  # (B, T + 1, N) fp32 column potentials saved by the forward
-    dv_ptr,  # (B, N) fp32 out: dv^T = colsum(R), R = dL/dP * P
-    stride_lb,  # log_alpha stride between batch elements
-    stride_li,  # log_alpha stride between rows
-    stride_lj,  # log_alpha stride between columns
-    stride_gb,  # dL/dP stride between batch elements
-    stride_gi,  # dL/dP stride between rows
-    stride_gj,  # dL/dP stride between columns
-    N,
-    T,
-    tau,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """Start of the tiled backward for this program's columns: dv^T_j = sum_i R_ij, R = dL/dP * P."""
-    b = _pid(0)
-    cols = _pid(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < N
-    la_b = la_ptr + b * stride_lb
-    g_b = g_ptr + b * stride_gb
-    pot_u = u_ptr + b * (T + 1) * N
-    v_T = tl.load(v_ptr + b * (T + 1) * N + T * N + cols, mask=cmask, other=0.0)
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for r0 in range(0, N, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        rmask = rows < N
-        x = _k_tile(la_b, pot_u, rows, cols, N, stride_li, stride_lj, tau)
-        x += tl.load(pot_u + T * N + rows, mask=rmask, other=0.0)[:, None]
-        mask = rmask[:, None] & cmask[None, :]
-        g = tl.load(g_b + rows[:, None] * stride_gi + cols[None, :] * stride_gj, mask=mask, other=0.0)
-        acc += tl.sum(g.to(tl.float32) * tl.exp(x + v_T[None, :]), axis=0)
-    tl.store(dv_ptr + b * N + cols, acc, mask=cmask)
-
-
-# The two adjoint passes below stay two kernels: the row pass also starts dK' from dL/dP at t = T, the column pass
-# also writes d log_alpha at t = 1, and they stream different potentials; merged behind a constexpr they would be two
-# bodies under one signature (the forward half-steps share one body, so they are one kernel).
-@triton.jit(do_not_specialize=["t"])
-def _sinkhorn_bwd_rows_kernel(
-    la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
-    g_ptr,  # (B, N, N) dL/dP, strided
-    u_ptr,  # (B, T + 1, N) fp32 row potentials saved by the forward
-    v_ptr,  # (B, T + 1, N) fp32 column potentials saved by the forward
-    dk_ptr,  # (B, N, N) fp32 scratch accumulating dL/dK', contiguous: this program's rows
-    du_ptr,  # (B, N) fp32 out: adjoint du^t of this program's rows
-    dv_ptr,  # (B, N) fp32 adjoint dv^t, read
-    stride_lb,  # log_alpha stride between batch elements
-    stride_li,  # log_alpha stride between rows
-    stride_lj,  # log_alpha stride between columns
-    stride_gb,  # dL/dP stride between batch elements
-    stride_gi,  # dL/dP stride between rows
-    stride_gj,  # dL/dP stride between columns
-    N,
-    T,
-    t,  # half-step pair index, T..1
-    tau,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """v-step adjoint: du^t_i = [t = T] rowsum(R)_i - sum_j Q_ij dv^t_j and dK' -= dv^t_j Q_ij, Q = exp(K'+u^t+v^t).
-
-    At t = T, Q is P itself, so R - Q dv = Q (dL/dP - dv) starts dK'.
-    """
-    b = _pid(0)
-    rows = _pid(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < N
-    la_b = la_ptr + b * stride_lb
-    g_b = g_ptr + b * stride_gb
-    pot_u = u_ptr + b * (T + 1) * N
-    pot_v = v_ptr + b * (T + 1) * N
-    dk_b = dk_ptr + b * N * N
-    u_t = tl.load(pot_u + t * N + rows, mask=rmask, other=0.0)
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for c0 in range(0, N, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        cmask = cols < N
-        mask = rmask[:, None] & cmask[None, :]
-        tile = rows[:, None] * N + cols[None, :]
-        x = _k_tile(la_b, pot_u, rows, cols, N, stride_li, stride_lj, tau) + u_t[:, None]
-        q = tl.exp(x + tl.load(pot_v + t * N + cols, mask=cmask, other=0.0)[None, :])
-        dv = tl.load(dv_ptr + b * N + cols, mask=cmask, other=0.0)
-        if t == T:
-            g = tl.load(g_b + rows[:, None] * stride_gi + cols[None, :] * stride_gj, mask=mask, other=0.0)
-            w = q * (g.to(tl.float32) - dv[None, :])
-            dk = w
-        else:
-            w = -q * dv[None, :]
-            dk = tl.load(dk_b + tile, mask=mask, other=0.0) + w
-        tl.store(dk_b + tile, dk, mask=mask)
-        acc += tl.sum(w, axis=1)
-    tl.store(du_ptr + b * N + rows, acc, mask=rmask)
-
-
-@triton.jit(do_not_specialize=["t"])
-def _sinkhorn_bwd_cols_kernel(
-    la_ptr,  # (B, N, N) log_alpha, any float dtype, strided
-    u_ptr,  # (B, T + 1, N) fp32 row potentials saved by the forward
-    v_ptr,  # (B, T + 1, N) fp32 column potentials saved by the forward
-    dk_ptr,  # (B, N, N) fp32 scratch accumulating dL/dK': this program's columns
-    du_ptr,  # (B, N) fp32 adjoint du^t, read
-    dv_ptr,  # (B, N) fp32 out: adjoint dv^(t-1) of this program's columns
-    dla_ptr,  # (B, N, N) output dL/dlog_alpha, contiguous, log_alpha's dtype: written at t = 1
-    stride_lb,  # log_alpha stride between batch elements
-    stride_li,  # log_alpha stride between rows
-    stride_lj,  # log_alpha stride between columns
-    N,
-    T,
-    t,  # half-step pair index, T..1
-    tau,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """u-step adjoint: dv^(t-1)_j = -sum_i Q'_ij du^t_i and dK' -= du^t_i Q'_ij, Q' = exp(K' + u^t + v^(t-1))."""
-    b = _pid(0)
-    cols = _pid(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < N
-    la_b = la_ptr + b * stride_lb
-    pot_u = u_ptr + b * (T + 1) * N
-    dk_b = dk_ptr + b * N * N
-    v_prev = tl.load(v_ptr + b * (T + 1) * N + (t - 1) * N + cols, mask=cmask, other=0.0)
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for r0 in range(0, N, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        rmask = rows < N
-        mask = rmask[:, None] & cmask[None, :]
-        tile = rows[:, None] * N + cols[None, :]
-        x = _k_tile(la_b, pot_u, rows, cols, N, stride_li, stride_lj, tau)
-        x += tl.load(pot_u + t * N + rows, mask=rmask, other=0.0)[:, None]
-        w = tl.exp(x + v_prev[None, :]) * tl.load(du_ptr + b * N + rows, mask=rmask, other=0.0)[:, None]
-        dk = tl.load(dk_b + tile, mask=mask, other=0.0) - w
-        acc -= tl.sum(w, axis=0)
-        if t == 1:
-            tl.store(dla_ptr + b * N * N + tile, (dk / tau).to(dla_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(dk_b + tile, dk, mask=mask)
-    tl.store(dv_ptr + b * N + cols, acc, mask=cmask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -574,22 +331,15 @@ def _sinkhorn_fwd_op(log_alpha: Tensor, n_iters: int, tau: float) -> tuple[Tenso
     if n <= _MAX_REGISTER_N:
         block, warps = _block_config(n)
         wrap_triton(_sinkhorn_fwd_block_kernel)[(batch,)](
-            log_alpha, p, u_all, v_all, *log_alpha.stride(), n, n_iters, tau, BLOCK=block, num_warps=warps
+            log_alpha, p, u_all, v_all, *log_alpha.stride(), n, n_iters, 1.0 / tau, BLOCK=block, num_warps=warps
         )
     else:
-        # One launch per half-step over (sample, block of rows or columns): see "Filling the GPU" above.
-        grid = (batch, triton.cdiv(n, _OWN))
-        strides = log_alpha.stride()
+        # The tiled core (kernels._sinkhorn_core), after the row shift u^0 of slot 0.
         v_all[:, 0].zero_()
-        wrap_triton(_sinkhorn_rowmax_kernel)[grid](
-            log_alpha, u_all, *strides, n, n_iters, tau, BLOCK_R=_OWN, BLOCK_C=_STREAM
+        wrap_triton(_sinkhorn_rowmax_kernel)[(batch, triton.cdiv(n, core.OWN))](
+            log_alpha, u_all, *log_alpha.stride(), n, n_iters, 1.0 / tau, BLOCK_R=core.OWN, BLOCK_C=core.STREAM
         )
-        blocks = dict(BLOCK_OWN=_OWN, BLOCK_STREAM=_STREAM)
-        for t in range(1, n_iters + 1):
-            for axis in (1, 0):  # the u-step (rows), then the v-step (columns)
-                wrap_triton(_sinkhorn_half_step_kernel)[grid](
-                    log_alpha, p, u_all, v_all, *strides, n, n_iters, t, tau, AXIS=axis, **blocks
-                )
+        core.forward(core.Cost(log_alpha, 1.0 / tau), u_all, v_all, p)
     return p, u_all, v_all
 
 
@@ -612,30 +362,14 @@ def _sinkhorn_bwd_op(grad_p: Tensor, log_alpha: Tensor, u_all: Tensor, v_all: Te
             *grad_p.stride(),
             n,
             n_iters,
-            tau,
+            1.0 / tau,
             BLOCK=block,
             num_warps=warps,
         )
     else:
         # dK accumulates over 2T passes: in fp32, in the output itself when that is fp32.
         dk = dla if dla.dtype == torch.float32 else torch.empty((batch, n, n), dtype=torch.float32, device=dla.device)
-        du = torch.empty((batch, n), dtype=torch.float32, device=dla.device)
-        dv = torch.empty_like(du)
-        grid = (batch, triton.cdiv(n, _OWN))
-        la_strides, g_strides = log_alpha.stride(), grad_p.stride()
-        wrap_triton(_sinkhorn_bwd_init_kernel)[grid](
-            log_alpha, grad_p, u_all, v_all, dv, *la_strides, *g_strides, n, n_iters, tau,
-            BLOCK_R=_STREAM, BLOCK_C=_OWN,
-        )  # fmt: skip
-        for t in range(n_iters, 0, -1):
-            wrap_triton(_sinkhorn_bwd_rows_kernel)[grid](
-                log_alpha, grad_p, u_all, v_all, dk, du, dv, *la_strides, *g_strides, n, n_iters, t, tau,
-                BLOCK_R=_OWN, BLOCK_C=_STREAM,
-            )  # fmt: skip
-            wrap_triton(_sinkhorn_bwd_cols_kernel)[grid](
-                log_alpha, u_all, v_all, dk, du, dv, dla, *la_strides, n, n_iters, t, tau,
-                BLOCK_R=_STREAM, BLOCK_C=_OWN,
-            )  # fmt: skip
+        core.backward(core.Cost(log_alpha, 1.0 / tau), grad_p, None, u_all, v_all, dk, dla)
     return dla
 
 
@@ -662,7 +396,7 @@ _sinkhorn_fwd_op.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_s
 def sinkhorn(log_alpha: Tensor, n_iters: int = 20, tau: float = 1.0, *, validate: bool = True) -> Tensor:
     """Batched log-domain Sinkhorn normalisation, differentiable w.r.t. ``log_alpha``.
 
-    Same result as :func:`sinkhorn_eager` (X = log_alpha / tau; ``n_iters`` times: normalise rows, then columns, in
+    Same result as :func:`sinkhorn_reference` (X = log_alpha / tau; ``n_iters`` times: normalise rows, then columns, in
     the log domain; P = exp(X)) without keeping the iterates: the backward recomputes each step's weights from
     log_alpha and the saved (B, n_iters + 1, N) row and column potentials. Runs the fused Triton kernels when
     :func:`kernels._backend.use_triton` says so, the PyTorch reference otherwise.
@@ -684,7 +418,7 @@ def sinkhorn(log_alpha: Tensor, n_iters: int = 20, tau: float = 1.0, *, validate
     tau = _check_inputs(log_alpha, n_iters, tau, validate)
     if use_triton(log_alpha):
         return torch.ops.attr_engine.sinkhorn_fwd(log_alpha, n_iters, tau)[0]
-    return _SinkhornReference.apply(log_alpha, n_iters, tau)
+    return _SinkhornPotentials.apply(log_alpha, n_iters, tau)
 
 
-__all__ = ["sinkhorn", "sinkhorn_eager"]
+__all__ = ["sinkhorn", "sinkhorn_reference"]

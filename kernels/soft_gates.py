@@ -117,13 +117,14 @@ def _gate_reference(z: torch.Tensor, kind: str, tau: float) -> torch.Tensor:
     return (z.to(cd) * (-_SQRT1_2 / tau)).erfc_().mul_(0.5)
 
 
-def soft_gate_detach(z: torch.Tensor, kind: str = "relu", tau: float | None = None) -> torch.Tensor:
+def soft_gate_reference(z: torch.Tensor, kind: str = "relu", tau: float | None = None) -> torch.Tensor:
     """The textbook detach formulation ``z * g.detach() - (z * g).detach() + act(z).detach()``, with ``g`` the gate.
 
     Plain autograd, so it keeps ``g``, ``z * g`` and ``act(z)`` alive and runs about five elementwise passes
     forward. Its forward value is ``act(z)`` only up to floating point: ``-0.0`` becomes ``+0.0`` and an infinite
-    ``z`` gives NaN (``inf - inf``), which is why :func:`soft_gate_reference` is a custom autograd function instead.
-    Kept as the independent statement of the intended backward (tests compare against it) and as the eager baseline.
+    ``z`` gives NaN (``inf - inf``), which is why the reference backend of :func:`soft_gate` is a custom autograd
+    function. Kept as the independent statement of the intended backward (tests compare against it) and as the
+    eager baseline.
 
     z: any shape; returns the same shape and dtype.
     """
@@ -156,7 +157,7 @@ class _SoftGateReference(torch.autograd.Function):
         return _soft_gate_backward_reference(z, grad, ctx.kind, ctx.tau), None, None
 
 
-def soft_gate_reference(z: torch.Tensor, kind: str = "relu", tau: float | None = None) -> torch.Tensor:
+def _soft_gate_pytorch(z: torch.Tensor, kind: str = "relu", tau: float | None = None) -> torch.Tensor:
     """Pure-PyTorch :func:`soft_gate` (same arguments); defines what the Triton path must compute."""
     tau = _check_gate_args(z, kind, tau)
     return _SoftGateReference.apply(z, kind, tau)
@@ -180,7 +181,7 @@ def _windows(x: torch.Tensor, geom: list[int], oh: int, ow: int, fill: float) ->
     return cols.view(B, C, kh * kw, oh * ow)
 
 
-def soft_maxpool2d_detach(
+def soft_maxpool2d_reference(
     x: torch.Tensor,
     kernel_size: int | Sequence[int],
     stride: int | Sequence[int] | None = None,
@@ -291,7 +292,7 @@ class _SoftMaxPool2dReference(torch.autograd.Function):
         return backward, None, None, None
 
 
-def soft_maxpool2d_reference(
+def _soft_maxpool2d_pytorch(
     x: torch.Tensor,
     kernel_size: int | Sequence[int],
     stride: int | Sequence[int] | None = None,
@@ -663,9 +664,7 @@ __all__ = [
     "DEFAULT_TAU",
     "SOFT_GATE_KINDS",
     "soft_gate",
-    "soft_gate_detach",
     "soft_gate_reference",
     "soft_maxpool2d",
-    "soft_maxpool2d_detach",
     "soft_maxpool2d_reference",
 ]

@@ -11,24 +11,18 @@ with Gumbel noise G. The masks are prefix sums of P over rank slots, interpolate
 
 Three paths, one definition:
 
-- :func:`soft_topk_masks_dense` - the definition: build K densely and differentiate through the Sinkhorn loop with
-  autograd. It keeps every iterate, O(n_iters * B * N^2) memory (about 5 GB at B=32, N=784, 30 iterations).
-- Structured reference (pure PyTorch, any device): the cost is rank one up to row/column constants, so K is never
-  saved. Only the potentials u, v (B, N) of every iteration are kept, O(B * N * n_iters). Per chunk of the batch the
-  kernel matrix E = exp(K + u_ref + v_ref) is formed once (float64 for float64 scores, float32 otherwise; potentials
-  always float64) and every Sinkhorn half-step becomes a batched matrix-vector product with diagonal rescalings (the
-  log-stabilised scaling form); the backward of the unrolled iterations is again matrix-vector products with the
-  same E. When potentials drift too far from the reference pair E is re-formed, and a half-step whose sums would
-  underflow is done exactly in the log domain, so scores of any scale and tiny tau stay finite. The Gumbel noise is
-  regenerated from per-sample seeds in the backward instead of being stored. Registered as a custom op, so
-  ``torch.compile`` sees one node. Chunks hold as many samples as fit a cache-sized slab (one at N = 784); with
-  several torch threads on the CPU, worker threads take whole chunks (see :func:`_for_each_chunk`), so the masks
-  never depend on the thread count.
-- Triton (fused): one launch per Sinkhorn half-step over (sample, block of 32 rank slots or cells) programs, the
-  potentials in global memory between launches; each program regenerates its K tiles and the Philox Gumbel noise
-  on the fly, so neither K nor P is ever written. The masks are accumulated by a last kernel with a small matrix
-  product per tile; the backward replays the recurrence from the saved potentials the same way. The arithmetic of
-  this decomposition (programs per SM, work per launch) is in the comment above the kernels.
+- :func:`soft_topk_masks_reference` - the definition: build K densely and differentiate through the Sinkhorn loop with
+  autograd. It keeps every iterate, O(n_iters * B * N^2) memory.
+- Structured reference (pure PyTorch, any device): K is never saved, only the potentials u, v (B, T + 1, N). Per
+  chunk of the batch E = exp(K + u_ref + v_ref) is formed once and every half-step (and every step of the unrolled
+  backward) is a batched matrix-vector product with diagonal rescalings; E is re-formed when the potentials drift,
+  and a half-step whose sums would underflow is done in the log domain, so any score scale and tiny tau stay
+  finite. The noise is regenerated from per-sample seeds; worker threads take whole chunks (:func:`_for_each_chunk`),
+  so the masks never depend on the thread count. A custom op: ``torch.compile`` sees one node.
+- Triton (fused): the tiled Sinkhorn core of :mod:`kernels._sinkhorn_core` (the one :func:`kernels.sinkhorn.sinkhorn`
+  runs) with the cost computed from the scores: each program regenerates its K tiles and the Philox Gumbel noise on
+  the fly, so neither K nor P is ever written. A last kernel accumulates the masks with a small matrix product per
+  tile; the backward replays the recurrence from the saved (B, T + 1, N) potentials.
 
 Noise reproducibility: the same ``generator`` (or integer seed) gives bit-identical masks on a given backend. The
 structured reference draws per-sample noise from torch's CPU generator; the Triton path uses Philox in the kernel;
@@ -47,10 +41,12 @@ from typing import Any
 import torch
 from torch.library import custom_op, triton_op, wrap_triton
 
+from kernels import _sinkhorn_core as core
 from kernels._backend import tl, triton, use_triton
-from kernels._tl_helpers import _lse_normaliser, _neg_lse, _online_lse, _pid, compute_dtype
+from kernels._sinkhorn_core import _gumbel, _line_lse, _line_tile
+from kernels._tl_helpers import _lse_normaliser, _pid, compute_dtype
 from kernels._validate import check_int_at_least, check_positive, check_tensor
-from kernels.sinkhorn import sinkhorn_eager
+from kernels.sinkhorn import sinkhorn_reference
 
 # Smallest uniform draw before the double log of the Gumbel transform: keeps G finite (G >= -log(-log(1e-10)) ~ -3.1).
 _U_MIN = 1e-10
@@ -167,9 +163,9 @@ def _check_inputs(
 def _cost(scores: torch.Tensor, anchors: torch.Tensor, noise: torch.Tensor | None, tau: float) -> torch.Tensor:
     """K (B, N, N) = (-(s_i - a_j)^2 + G_ji) / tau in the dtype of ``scores``, in place on one N x N temporary.
 
-    K stays float64 for every input dtype: a float32 K was measured 13-20 % faster at N = 576-784 but its rounding
-    (1e-7, and 1-ulp differences between the vectorised and scalar exp of differently sized chunks) made a refined,
-    standardised map depend on its batch mates by 4e-4 (test_a_refined_map_does_not_depend_on_its_batch).
+    K stays float64 for every input dtype: float32 rounding (1-ulp differences between the vectorised and scalar exp
+    of differently sized chunks) made a refined, standardised map depend on its batch mates
+    (test_a_refined_map_does_not_depend_on_its_batch). The float32 timing: benches/README.md ("Cost at the floor").
     """
     k = (scores[:, None, :] - anchors[None, :, None]).square_().neg_()
     if noise is not None:
@@ -182,7 +178,7 @@ def _cost(scores: torch.Tensor, anchors: torch.Tensor, noise: torch.Tensor | Non
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def soft_topk_masks_dense(
+def soft_topk_masks_reference(
     scores: torch.Tensor,
     fractions: torch.Tensor,
     *,
@@ -205,7 +201,7 @@ def soft_topk_masks_dense(
     log_alpha = -(scores[:, None, :] - anchors[None, :, None]).square()
     if gumbel is not None:
         log_alpha = log_alpha + gumbel.to(log_alpha.dtype)
-    perm = sinkhorn_eager(log_alpha, n_iters, tau)
+    perm = sinkhorn_reference(log_alpha, n_iters, tau)
     return prefix_weights(fractions, n).to(perm.dtype) @ perm
 
 
@@ -322,8 +318,8 @@ def _for_each_chunk(bsz: int, n: int, device: torch.device, work: Callable[[int,
 
     Samples, not products, are split between threads: each core then streams its own sample's kernel matrix from
     its own cache, and nothing waits at a barrier inside a product. Splitting each product across threads instead
-    met ~4 T barriers per sample, which stall whenever another job holds a core (measured 12.4 s against 3.7 s on
-    one thread on a loaded 2-core machine). Chunks are handed out as workers free up, so a descheduled worker
+    met ~4 T barriers per sample, which stall whenever another job holds a core (benches/README.md, "Sinkhorn
+    core"). Chunks are handed out as workers free up, so a descheduled worker
     delays only its own chunk. Chunks write disjoint slices of the outputs.
     """
     step = _chunk_size(n)
@@ -341,12 +337,14 @@ def _for_each_chunk(bsz: int, n: int, device: torch.device, work: Callable[[int,
 def _structured_forward(
     scores: torch.Tensor, weights: torch.Tensor, tau: float, n_iters: int, noise: float, seeds: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Masks (B, S, N) float64 and the potentials u (B, T, N), v (B, T, N) of every iteration."""
+    """Masks (B, S, N) float64 and the potentials u, v (B, T + 1, N) of every iteration (slot 0: zeros, the start)."""
     bsz, n = scores.shape
     s64 = scores.to(torch.float64)
     anchors = rank_anchors(n, dtype=torch.float64, device=scores.device)
-    us = torch.empty(bsz, n_iters, n, dtype=torch.float64, device=scores.device)
+    us = torch.empty(bsz, n_iters + 1, n, dtype=torch.float64, device=scores.device)
     vs = torch.empty_like(us)
+    us[:, 0] = 0.0
+    vs[:, 0] = 0.0
     masks = torch.empty(bsz, weights.shape[0], n, dtype=torch.float64, device=scores.device)
     work = compute_dtype(scores.dtype)  # the dtype of E
 
@@ -357,8 +355,8 @@ def _structured_forward(
         # The first half-step is exact: it fixes a reference pair at which E = exp(K + u) cannot overflow.
         u = _lse_rows(k, v)
         mat = _Stabilised(k, u, v, work)
-        for t in range(n_iters):
-            if t > 0:
+        for t in range(1, n_iters + 1):
+            if t > 1:
                 mat.refresh(u, v)
                 u = mat.row_update(v)
             mat.refresh(u, v)
@@ -389,7 +387,7 @@ def _structured_backward(
     each step needs the products Q x and Q^T [1, a, du, du*a], never an N x N gradient.
     """
     bsz, n = scores.shape
-    n_iters = us.shape[1]
+    n_iters = us.shape[1] - 1
     s64 = scores.to(torch.float64)
     anchors = rank_anchors(n, dtype=torch.float64, device=scores.device)
     gm = grad_masks.to(torch.float64)
@@ -408,9 +406,8 @@ def _structured_backward(
         dv = r.sum(1)
         # sum_j dK_ji (s_i - a_j) accumulates in acc; ds = -2/tau * acc.
         acc = s * dv - torch.matmul(anchors, r)
-        for t in range(n_iters - 1, -1, -1):
-            u_t, v_t = us[lo:hi, t], vs[lo:hi, t]
-            v_prev = vs[lo:hi, t - 1] if t > 0 else torch.zeros_like(v_t)
+        for t in range(n_iters, 0, -1):
+            u_t, v_t, v_prev = us[lo:hi, t], vs[lo:hi, t], vs[lo:hi, t - 1]
             # E must cover both Q_t (u_t, v_t) and Q'_t (u_t, v_(t-1)) within the drift window.
             mat.refresh(u_t, v_t)
             if bool(((v_prev - mat.v_ref).abs().amax(1) > mat.drift).any()):
@@ -446,7 +443,7 @@ def _structured_backward(
 def _soft_topk_reference_op(
     scores: torch.Tensor, weights: torch.Tensor, tau: float, n_iters: int, noise: float, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Structured forward: masks (B, S, N) in scores' dtype, potentials u, v (B, T, N) float64."""
+    """Structured forward: masks (B, S, N) in scores' dtype, potentials u, v (B, T + 1, N) float64."""
     seeds = _seeds_from_base(scores.shape[0], seed) if noise > 0 else None
     masks, us, vs = _structured_forward(scores, weights, tau, n_iters, noise, seeds)
     return masks.to(scores.dtype), us, vs
@@ -455,7 +452,7 @@ def _soft_topk_reference_op(
 @_soft_topk_reference_op.register_fake
 def _(scores: torch.Tensor, weights: torch.Tensor, tau: float, n_iters: int, noise: float, seed: int) -> tuple:
     bsz, n = scores.shape
-    pot = scores.new_empty(bsz, n_iters, n, dtype=torch.float64)
+    pot = scores.new_empty(bsz, n_iters + 1, n, dtype=torch.float64)
     return scores.new_empty(bsz, weights.shape[0], n), pot, torch.empty_like(pot)
 
 
@@ -504,25 +501,11 @@ _soft_topk_reference_op.register_autograd(_soft_topk_reference_backward, setup_c
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Triton: fused log-domain sorter; K, the noise and P are recomputed per tile, never stored
+# Triton: the tiled Sinkhorn core (kernels._sinkhorn_core) with the sorter's cost, plus the mask accumulation
 # ----------------------------------------------------------------------------------------------------------------
-# Work decomposition. Every half-step is one launch over (sample, block of _OWN rows or columns) programs, and the
-# potentials live in global memory between launches (a launch boundary is the only grid-wide barrier CUDA offers).
-# Arithmetic at the AHA default (B = 32, N = 784, S = 16, T = 30) on an H200 (132 SMs):
-# - programs: 32 x ceil(784 / 32) = 800 per launch, 6 per SM; one program per sample (the previous design) was 32
-#   programs, a quarter of the SMs, each running all 2T half-steps serially.
-# - work: a half-step recomputes B * N^2 = 19.7 M entries of K (Philox Gumbel noise, two logs, one exp): about
-#   100 instructions each, ~2 G instructions, ~70 us at the H200's ~30 T simple instructions/s. That is well above
-#   the few microseconds a launch costs, so 2T + 1 forward and 2T + 2 backward launches (about 5 ms and 8 ms of
-#   GPU time in all) stay compute-bound and a few percent of the 2 S classifier passes they feed (~100 ms for a
-#   ViT-B/16 batch of 32).
-# - registers: a program holds one (_OWN x _STREAM) = 32 x 64 tile, 16 fp32 values per thread per temporary at 4
-#   warps, so Philox and the online logsumexp fit without spills (``python -m kernels.aot`` checks it).
-# Storing the noise once (B * N^2 fp32, 79 MB here) would trade the Philox work for one HBM read per half-step;
-# recomputation keeps the op's memory O(B * N * T) like the reference.
+# K, the noise and P are recomputed per tile and never stored: the op's memory is O(B * N * T) like the reference's.
+# The arithmetic of this decomposition at the AHA shape is in benches/README.md ("Sinkhorn core").
 
-_OWN = 32  # rows (or columns) owned by one program of a row (column) pass
-_STREAM = 64  # width of the tiles a program streams over the other dimension
 _MAX_BLOCK_S = 32  # fractions per mask-accumulation tile; larger S is tiled
 # The mask kernel holds a (fractions x cells) accumulator and a tl.dot operand besides the K tile: 8 warps keep
 # their per-thread share of those tiles in registers (4 warps spill at S = 64).
@@ -530,363 +513,49 @@ _DOT_WARPS = 8
 
 
 @triton.jit
-def _gumbel(seed, offsets):
-    """Philox Gumbel noise for integer ``offsets`` under ``seed``: the same numbers in the forward and backward."""
-    r = tl.maximum(tl.rand(seed, offsets), 1e-10)
-    return -tl.log(-tl.log(r))
-
-
-@triton.jit
-def _cost_tile(
-    s_row,  # pointer to this sample's scores, (N,)
-    offs_j,  # rank-slot indices of the tile, (BLOCK_J,)
-    offs_i,  # cell indices of the tile, (BLOCK_I,)
-    N,
-    anchor_step,  # 1 / (N - 1), or 0 when N == 1: a_j = 1 - j * anchor_step
-    seed,  # this sample's Philox seed
-    noise,  # Gumbel scale
-    inv_tau,
-    HAS_NOISE: tl.constexpr,
-):
-    """K tile (BLOCK_J, BLOCK_I) in fp32; -inf outside the N x N matrix so padded lanes drop out of every sum.
-
-    K[j, i] = (-(s_i - a_j)^2 + noise * G[j, i]) / tau, G Philox Gumbel noise at counter j * N + i.
-    """
-    mask_j = offs_j < N
-    mask_i = offs_i < N
-    s = tl.load(s_row + offs_i, mask=mask_i, other=0.0).to(tl.float32)
-    a = 1.0 - offs_j.to(tl.float32) * anchor_step
-    d = s[None, :] - a[:, None]
-    k = -d * d
-    if HAS_NOISE:
-        k += noise * _gumbel(seed, offs_j[:, None] * N + offs_i[None, :])
-    k = k * inv_tau
-    return tl.where(mask_j[:, None] & mask_i[None, :], k, float("-inf"))
-
-
-@triton.jit
-def _topk_line_tile(
-    s_row,  # pointer to this sample's scores, (N,)
-    other,  # pointer to the potential added along the streamed dimension, (N,) fp32
-    t,  # iteration index: at t = 0 the row pass sees no column potential yet (v_(-1) = 0)
-    own,  # (BLOCK_OWN,) indices of the lines this program owns
-    stream,  # (BLOCK_STREAM,) indices of the streamed tile
-    N,
-    anchor_step,
-    seed,
-    noise,
-    inv_tau,
-    HAS_NOISE: tl.constexpr,
-    AXIS: tl.constexpr,  # 1: the program owns rank slots (tile (own, stream)); 0: it owns cells (tile (stream, own))
-):
-    """K + other over one tile, oriented so that AXIS is the streamed (reduced) dimension:
-
-    AXIS = 1: x[j, i] = K[j, i] + v_(t-1)[i] (own = j);  AXIS = 0: x[j, i] = K[j, i] + u[j] (own = i).
-    """
-    ok = stream < N
-    if AXIS == 1:
-        k = _cost_tile(s_row, own, stream, N, anchor_step, seed, noise, inv_tau, HAS_NOISE)
-        ok = ok & (t > 0)
-    else:
-        k = _cost_tile(s_row, stream, own, N, anchor_step, seed, noise, inv_tau, HAS_NOISE)
-    return k + tl.expand_dims(tl.load(other + stream, mask=ok, other=0.0), 1 - AXIS)
-
-
-@triton.jit
-def _topk_line_lse(
-    s_row,
-    other,
-    t,
-    own,
-    N,
-    anchor_step,
-    seed,
-    noise,
-    inv_tau,
-    HAS_NOISE: tl.constexpr,
-    AXIS: tl.constexpr,
-    BLOCK_OWN: tl.constexpr,
-    BLOCK_STREAM: tl.constexpr,
-):
-    """Streaming logsumexp pair (max, sum) of :func:`_topk_line_tile` along AXIS, over every tile of the line."""
-    run_max = tl.full([BLOCK_OWN], float("-inf"), tl.float32)
-    run_sum = tl.zeros([BLOCK_OWN], tl.float32)
-    for s0 in range(0, N, BLOCK_STREAM):
-        stream = s0 + tl.arange(0, BLOCK_STREAM)
-        x = _topk_line_tile(s_row, other, t, own, stream, N, anchor_step, seed, noise, inv_tau, HAS_NOISE, AXIS)
-        run_max, run_sum = _online_lse(run_max, run_sum, x, AXIS)
-    return run_max, run_sum
-
-
-@triton.jit(do_not_specialize=["t"])
-def _topk_half_step_kernel(
-    s_ptr,  # scores, (B, N) fp32 contiguous
-    u_ptr,  # row potentials of every iteration, (B, T, N) fp32: slot t written (AXIS = 1) or read (AXIS = 0)
-    v_ptr,  # column potentials of every iteration, (B, T, N) fp32: slot t - 1 read (AXIS = 1) or slot t written
-    N,
-    T,
-    t,  # iteration index (runtime, so one compiled kernel serves every iteration)
-    anchor_step,
-    seed,
-    noise,
-    inv_tau,
-    HAS_NOISE: tl.constexpr,
-    AXIS: tl.constexpr,  # 1: row half-step, the program owns rank slots; 0: column half-step, it owns cells
-    BLOCK_OWN: tl.constexpr,  # lines this program owns
-    BLOCK_STREAM: tl.constexpr,  # width of the tiles it streams over the other dimension
-):
-    """One Sinkhorn half-step for this program's block of lines:
-
-        AXIS = 1 (rows):     u_t[j] = -LSE_i(K[j, i] + v_(t-1)[i])   (v_(-1) = 0)
-        AXIS = 0 (columns):  v_t[i] = -LSE_j(K[j, i] + u_t[j])
-
-    One kernel for both directions (the row and column passes were two copies of this loop); each compiled variant
-    is the code of one direction only.
-    """
-    b = _pid(0)
-    own = _pid(1) * BLOCK_OWN + tl.arange(0, BLOCK_OWN)
-    pot = b * T * N + t * N
-    if AXIS == 1:
-        out, other = u_ptr + pot, v_ptr + pot - N
-    else:
-        out, other = v_ptr + pot, u_ptr + pot
-    run_max, run_sum = _topk_line_lse(
-        s_ptr + b * N, other, t, own, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE, AXIS, BLOCK_OWN,
-        BLOCK_STREAM,
-    )  # fmt: skip
-    tl.store(out + own, _neg_lse(run_max, run_sum), mask=own < N)
-
-
-@triton.jit
 def _topk_masks_kernel(
     s_ptr,  # scores, (B, N) fp32 contiguous
     w_ptr,  # prefix weights W, (S, N) fp32 contiguous
-    u_ptr,  # row potentials, (B, T, N) fp32; the last slot is read
+    u_ptr,  # row potentials, (B, T + 1, N) fp32; slot T is read
     m_ptr,  # out: masks, (B, S, N) fp32 contiguous
     N,
     S,
     T,
+    inv_tau,
     anchor_step,
     seed,
     noise,
-    inv_tau,
     HAS_NOISE: tl.constexpr,
-    BLOCK_J: tl.constexpr,  # rank slots per streamed tile
-    BLOCK_I: tl.constexpr,  # cells this program owns
+    BLOCK_R: tl.constexpr,  # rank slots per streamed tile
+    BLOCK_C: tl.constexpr,  # cells this program owns
     BLOCK_S: tl.constexpr,  # fractions this program owns
 ):
-    """M[s, i] = sum_j W[s, j] P[j, i] for this program's (cells, fractions) block.
+    """M[s, c] = sum_r W[s, r] P[r, c] for this program's (fractions, cells) block.
 
-    The last column half-step is redone here and P = exp(x - m_i) / s_i is written from its own column max m and sum
-    s (x = K + u_T), not through the stored v_T = -(m + log s): at extreme score scales (|K| ~ 1e8) fp32 cannot hold
+    The last column half-step is redone here and P = exp(x - m_c) / s_c is written from its own column max m and sum
+    s (x = K + u^T), not through the stored v^T = -(m + log s): at extreme score scales (|K| ~ 1e8) fp32 cannot hold
     m + log s, and the columns of P, hence M at fraction 1, would no longer sum to one.
     """
     b = _pid(0)
-    offs_i = _pid(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    offs_c = _pid(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_s = _pid(2) * BLOCK_S + tl.arange(0, BLOCK_S)
     s_row = s_ptr + b * N
-    u_last = u_ptr + b * T * N + (T - 1) * N
-    run_max, run_sum = _topk_line_lse(
-        s_row, u_last, T - 1, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE, 0, BLOCK_I, BLOCK_J
-    )
+    u_last = u_ptr + b * (T + 1) * N + T * N
+    run_max, run_sum = _line_lse(s_row, u_last, u_last, offs_c, N, 0, 1, inv_tau, anchor_step, seed + b, noise,
+                                 True, HAS_NOISE, 0, BLOCK_C, BLOCK_R)  # fmt: skip
     shift, inv_sum = _lse_normaliser(run_max, run_sum)
-    acc = tl.zeros([BLOCK_S, BLOCK_I], tl.float32)
-    for j0 in range(0, N, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        x = _topk_line_tile(
-            s_row, u_last, T - 1, offs_i, offs_j, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE, 0
-        )
+    acc = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
+    for r0 in range(0, N, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        x = _line_tile(s_row, u_last, u_last, offs_c, offs_r, N, 0, 1, inv_tau, anchor_step, seed + b, noise,
+                       True, HAS_NOISE, 0)  # fmt: skip
         p = tl.exp(x - shift[None, :]) * inv_sum[None, :]
         w = tl.load(
-            w_ptr + offs_s[:, None] * N + offs_j[None, :], mask=(offs_s[:, None] < S) & (offs_j[None, :] < N), other=0.0
+            w_ptr + offs_s[:, None] * N + offs_r[None, :], mask=(offs_s[:, None] < S) & (offs_r[None, :] < N), other=0.0
         )
         acc += tl.dot(w, p, input_precision="ieee")
-    out_ok = (offs_s[:, None] < S) & (offs_i[None, :] < N)
-    tl.store(m_ptr + b * S * N + offs_s[:, None] * N + offs_i[None, :], acc, mask=out_ok)
-
-
-@triton.jit
-def _direct_tile(
-    w_ptr,  # prefix weights W, (S, N) fp32
-    gm_row,  # this sample's mask gradient, (S, N) fp32
-    offs_j,  # (BLOCK_J,) rank slots
-    offs_i,  # (BLOCK_I,) cells
-    N,
-    S,
-    BLOCK_J: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """dL/dP tile (BLOCK_J, BLOCK_I) = (W^T dM)[j, i], accumulated over fraction tiles of BLOCK_S."""
-    acc = tl.zeros([BLOCK_J, BLOCK_I], tl.float32)
-    for s0 in range(0, S, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        w_t = tl.load(
-            w_ptr + offs_s[None, :] * N + offs_j[:, None], mask=(offs_s[None, :] < S) & (offs_j[:, None] < N), other=0.0
-        )
-        gm_ok = (offs_s[:, None] < S) & (offs_i[None, :] < N)
-        gm = tl.load(gm_row + offs_s[:, None] * N + offs_i[None, :], mask=gm_ok, other=0.0)
-        acc += tl.dot(w_t, gm, input_precision="ieee")
-    return acc
-
-
-@triton.jit
-def _topk_bwd_direct_kernel(
-    s_ptr,  # scores, (B, N) fp32
-    w_ptr,  # prefix weights W, (S, N) fp32
-    u_ptr,  # saved row potentials, (B, T, N) fp32
-    v_ptr,  # saved column potentials, (B, T, N) fp32
-    gm_ptr,  # incoming gradient of the masks, (B, S, N) fp32 contiguous
-    line_ptr,  # out: line sums of R, (B, N) fp32: du (AXIS = 1) or dv (AXIS = 0)
-    acc_ptr,  # out (AXIS = 0 only): sum_j R[j, i] (s_i - a_j), the score accumulator, (B, N) fp32
-    N,
-    S,
-    T,
-    anchor_step,
-    seed,
-    noise,
-    inv_tau,
-    HAS_NOISE: tl.constexpr,
-    AXIS: tl.constexpr,  # 1: the program owns BLOCK_J rank slots; 0: it owns BLOCK_I cells
-    BLOCK_J: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """The direct term R = (W^T dM) * P, P = exp(K + u_last + v_last), summed over this program's lines:
-
-        AXIS = 1 (rank slots):  du[j] = sum_i R[j, i]
-        AXIS = 0 (cells):       dv[i] = sum_j R[j, i];  acc[i] = s_i dv[i] - sum_j a_j R[j, i]
-
-    One kernel for both directions (they were two copies of this loop); each compiled variant is one direction.
-    """
-    b = _pid(0)
-    s_row = s_ptr + b * N
-    last = b * T * N + (T - 1) * N
-    if AXIS == 1:
-        offs_j = _pid(1) * BLOCK_J + tl.arange(0, BLOCK_J)
-        own = offs_j
-        u_last = tl.load(u_ptr + last + offs_j, mask=offs_j < N, other=0.0)
-        line = tl.zeros([BLOCK_J], tl.float32)
-    else:
-        offs_i = _pid(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        own = offs_i
-        v_last = tl.load(v_ptr + last + offs_i, mask=offs_i < N, other=0.0)
-        line = tl.zeros([BLOCK_I], tl.float32)
-        line_a = tl.zeros([BLOCK_I], tl.float32)
-    for s0 in range(0, N, BLOCK_I if AXIS == 1 else BLOCK_J):
-        if AXIS == 1:
-            offs_i = s0 + tl.arange(0, BLOCK_I)
-            v_last = tl.load(v_ptr + last + offs_i, mask=offs_i < N, other=0.0)
-        else:
-            offs_j = s0 + tl.arange(0, BLOCK_J)
-            u_last = tl.load(u_ptr + last + offs_j, mask=offs_j < N, other=0.0)
-        k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
-        p = tl.exp(tl.minimum(k + u_last[:, None] + v_last[None, :], 0.0))
-        r = _direct_tile(w_ptr, gm_ptr + b * S * N, offs_j, offs_i, N, S, BLOCK_J, BLOCK_I, BLOCK_S) * p
-        line += tl.sum(r, axis=AXIS)
-        if AXIS == 0:
-            a = 1.0 - offs_j.to(tl.float32) * anchor_step
-            line_a += tl.sum(r * a[:, None], axis=0)
-    tl.store(line_ptr + b * N + own, line, mask=own < N)
-    if AXIS == 0:
-        s = tl.load(s_row + own, mask=own < N, other=0.0)
-        tl.store(acc_ptr + b * N + own, s * line - line_a, mask=own < N)
-
-
-# The two adjoint passes below stay two kernels: the row pass is one matrix-vector product (Q dv), the column pass
-# four (colsum Q, a-weighted colsum, Q'^T du, Q'^T (du a)) plus the score accumulation. A constexpr-mode merge, as
-# for the forward half-steps and the direct terms, would put two unrelated bodies behind one signature.
-@triton.jit(do_not_specialize=["t"])
-def _topk_bwd_rows_kernel(
-    s_ptr,  # scores, (B, N) fp32
-    u_ptr,  # saved row potentials, (B, T, N) fp32
-    v_ptr,  # saved column potentials, (B, T, N) fp32
-    du_ptr,  # adjoint of u_t, (B, N) fp32: the direct row sums on entry at t = T - 1, overwritten
-    dv_ptr,  # adjoint of v_t, (B, N) fp32, read
-    N,
-    T,
-    t,  # iteration index
-    anchor_step,
-    seed,
-    noise,
-    inv_tau,
-    HAS_NOISE: tl.constexpr,
-    BLOCK_J: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-):
-    """v-step adjoint, rows: du_t[j] = [t = T - 1] du[j] - sum_i Q[j, i] dv_t[i], Q = exp(K + u_t + v_t)."""
-    b = _pid(0)
-    offs_j = _pid(1) * BLOCK_J + tl.arange(0, BLOCK_J)
-    s_row = s_ptr + b * N
-    pot = b * T * N + t * N
-    u_t = tl.load(u_ptr + pot + offs_j, mask=offs_j < N, other=0.0)
-    row = tl.zeros([BLOCK_J], tl.float32)
-    for i0 in range(0, N, BLOCK_I):
-        offs_i = i0 + tl.arange(0, BLOCK_I)
-        k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
-        v_t = tl.load(v_ptr + pot + offs_i, mask=offs_i < N, other=0.0)
-        dv = tl.load(dv_ptr + b * N + offs_i, mask=offs_i < N, other=0.0)
-        q = tl.exp(tl.minimum(k + u_t[:, None] + v_t[None, :], 0.0))
-        row += tl.sum(q * dv[None, :], axis=1)
-    base = tl.load(du_ptr + b * N + offs_j, mask=(offs_j < N) & (t == T - 1), other=0.0)
-    tl.store(du_ptr + b * N + offs_j, base - row, mask=offs_j < N)
-
-
-@triton.jit(do_not_specialize=["t"])
-def _topk_bwd_cols_kernel(
-    s_ptr,  # scores, (B, N) fp32
-    u_ptr,  # saved row potentials, (B, T, N) fp32
-    v_ptr,  # saved column potentials, (B, T, N) fp32
-    du_ptr,  # adjoint of u_t, (B, N) fp32, read
-    dv_ptr,  # adjoint of v_t on entry, of v_(t-1) on exit, (B, N) fp32
-    acc_ptr,  # score accumulator sum_j dK[j, i] (s_i - a_j), (B, N) fp32
-    ds_ptr,  # out at t = 0: gradient of the scores, (B, N) fp32
-    N,
-    T,
-    t,  # iteration index
-    anchor_step,
-    seed,
-    noise,
-    inv_tau,
-    HAS_NOISE: tl.constexpr,
-    BLOCK_J: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-):
-    """Columns: the v-step's dK term, then the u-step (Q' = exp(K + u_t + v_(t-1))) and dv_(t-1) = -Q'^T du_t.
-
-    acc[i] -= dv_t[i] (s_i colsum(Q) - sum_j a_j Q[j, i]) + (s_i (Q'^T du)[i] - (Q'^T (du * a))[i]); at t = 0 the
-    program also writes ds = -2 / tau * acc.
-    """
-    b = _pid(0)
-    offs_i = _pid(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    s_row = s_ptr + b * N
-    pot = b * T * N + t * N
-    s = tl.load(s_row + offs_i, mask=offs_i < N, other=0.0)
-    v_t = tl.load(v_ptr + pot + offs_i, mask=offs_i < N, other=0.0)
-    v_prev = tl.load(v_ptr + pot - N + offs_i, mask=(offs_i < N) & (t > 0), other=0.0)
-    q_col = tl.zeros([BLOCK_I], tl.float32)
-    q_col_a = tl.zeros([BLOCK_I], tl.float32)
-    qp_du = tl.zeros([BLOCK_I], tl.float32)
-    qp_du_a = tl.zeros([BLOCK_I], tl.float32)
-    for j0 in range(0, N, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        k = _cost_tile(s_row, offs_j, offs_i, N, anchor_step, seed + b, noise, inv_tau, HAS_NOISE)
-        u_t = tl.load(u_ptr + pot + offs_j, mask=offs_j < N, other=0.0)
-        du = tl.load(du_ptr + b * N + offs_j, mask=offs_j < N, other=0.0)
-        a = 1.0 - offs_j.to(tl.float32) * anchor_step
-        x = k + u_t[:, None]
-        q = tl.exp(tl.minimum(x + v_t[None, :], 0.0))
-        qp = tl.exp(tl.minimum(x + v_prev[None, :], 0.0))
-        q_col += tl.sum(q, axis=0)
-        q_col_a += tl.sum(q * a[:, None], axis=0)
-        qp_du += tl.sum(qp * du[:, None], axis=0)
-        qp_du_a += tl.sum(qp * (du * a)[:, None], axis=0)
-    dv = tl.load(dv_ptr + b * N + offs_i, mask=offs_i < N, other=0.0)
-    acc = tl.load(acc_ptr + b * N + offs_i, mask=offs_i < N, other=0.0)
-    acc = acc - dv * (s * q_col - q_col_a) - (s * qp_du - qp_du_a)
-    tl.store(acc_ptr + b * N + offs_i, acc, mask=offs_i < N)
-    tl.store(dv_ptr + b * N + offs_i, -qp_du, mask=offs_i < N)
-    tl.store(ds_ptr + b * N + offs_i, acc * (-2.0 * inv_tau), mask=(offs_i < N) & (t == 0))
+    out_ok = (offs_s[:, None] < S) & (offs_c[None, :] < N)
+    tl.store(m_ptr + b * S * N + offs_s[:, None] * N + offs_c[None, :], acc, mask=out_ok)
 
 
 @triton.jit
@@ -906,34 +575,33 @@ def _block_s(n_frac: int) -> int:
     return max(16, min(_MAX_BLOCK_S, triton.next_power_of_2(n_frac)))
 
 
-def _anchor_step(n: int) -> float:
-    return 1.0 / (n - 1) if n > 1 else 0.0
+def _scores_cost(scores: torch.Tensor, tau: float, noise: float, seed: int) -> core.Cost:
+    n = scores.shape[1]
+    return core.Cost(
+        scores, 1.0 / tau, scores=True, anchor_step=1.0 / (n - 1) if n > 1 else 0.0, seed=seed, noise=noise
+    )
 
 
 @triton_op("attr_engine::soft_topk_fwd", mutates_args=())
 def _soft_topk_fwd_op(
     scores: torch.Tensor, weights: torch.Tensor, tau: float, n_iters: int, noise: float, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused forward. scores (B, N) fp32, weights (S, N) fp32 -> masks (B, S, N), u and v (B, T, N), all fp32."""
+    """Fused forward. scores (B, N) fp32, weights (S, N) fp32 -> masks (B, S, N), u and v (B, T + 1, N), all fp32."""
     bsz, n = scores.shape
     n_frac = weights.shape[0]
     masks = scores.new_empty(bsz, n_frac, n)
-    us = scores.new_empty(bsz, n_iters, n)
-    vs = scores.new_empty(bsz, n_iters, n)
+    us = scores.new_empty(bsz, n_iters + 1, n)
+    vs = scores.new_empty(bsz, n_iters + 1, n)
     if bsz == 0:
         return masks, us, vs
-    half = dict(HAS_NOISE=noise > 0, BLOCK_OWN=_OWN, BLOCK_STREAM=_STREAM)
-    grid = (bsz, triton.cdiv(n, _OWN))
-    step, inv_tau = _anchor_step(n), 1.0 / tau
-    for t in range(n_iters):
-        for axis in (1, 0):  # the row half-step, then the column half-step
-            wrap_triton(_topk_half_step_kernel)[grid](
-                scores, us, vs, n, n_iters, t, step, seed, noise, inv_tau, AXIS=axis, **half
-            )
+    us[:, 0].zero_()  # the sorter's cost needs no row shift
+    vs[:, 0].zero_()
+    cost = _scores_cost(scores, tau, noise, seed)
+    core.forward(cost, us, vs, us)  # P is not written (``us`` stands in for its pointer): the mask kernel reads it
     block_s = _block_s(n_frac)
-    wrap_triton(_topk_masks_kernel)[(bsz, triton.cdiv(n, _OWN), triton.cdiv(n_frac, block_s))](
-        scores, weights, us, masks, n, n_frac, n_iters, step, seed, noise, inv_tau, HAS_NOISE=noise > 0,
-        BLOCK_J=_STREAM, BLOCK_I=_OWN, BLOCK_S=block_s, num_warps=_DOT_WARPS,
+    wrap_triton(_topk_masks_kernel)[(bsz, triton.cdiv(n, core.OWN), triton.cdiv(n_frac, block_s))](
+        scores, weights, us, masks, n, n_frac, n_iters, *cost.args()[3:], HAS_NOISE=noise > 0,
+        BLOCK_R=core.STREAM, BLOCK_C=core.OWN, BLOCK_S=block_s, num_warps=_DOT_WARPS,
     )  # fmt: skip
     return masks, us, vs
 
@@ -950,35 +618,11 @@ def _soft_topk_bwd_op(
     seed: int,
 ) -> torch.Tensor:
     """Fused backward: d loss / d scores (B, N) fp32 from the mask gradient (B, S, N) and the saved potentials."""
-    bsz, n = scores.shape
-    n_frac, n_iters = weights.shape[0], us.shape[1]
     grad = torch.empty_like(scores)
-    if bsz == 0:
+    if scores.shape[0] == 0:
         return grad
-    du, dv, acc = scores.new_empty(3, bsz, n).unbind(0)
-    rows = dict(HAS_NOISE=noise > 0, BLOCK_J=_OWN, BLOCK_I=_STREAM)
-    cols = dict(HAS_NOISE=noise > 0, BLOCK_J=_STREAM, BLOCK_I=_OWN)
-    grid = (bsz, triton.cdiv(n, _OWN))
-    # The direct-term kernels loop over fractions in tiles of 16, whatever S is (a loop costs nothing extra here).
-    step, inv_tau, block_s = _anchor_step(n), 1.0 / tau, 16
-    direct = (scores, weights, us, vs, grad_masks)
-    # The direct terms also hold a (W^T dM) tile from tl.dot: they own 32 rows (columns) and stream 16 columns
-    # (rows) at a time, at 4 warps. This is the configuration without spills on both sm_80 and sm_90 for every N
-    # and S checked; 32 x 32 tiles, or 8 warps, spilled a few bytes on one of the two (ptxas' choices, measured
-    # with ``python -m kernels.aot``).
-    thin = 16
-    for axis, line, blocks in ((1, du, dict(BLOCK_J=_OWN, BLOCK_I=thin)), (0, dv, dict(BLOCK_J=thin, BLOCK_I=_OWN))):
-        wrap_triton(_topk_bwd_direct_kernel)[grid](
-            *direct, line, acc, n, n_frac, n_iters, step, seed, noise, inv_tau, HAS_NOISE=noise > 0, AXIS=axis,
-            BLOCK_S=block_s, **blocks,
-        )  # fmt: skip
-    for t in range(n_iters - 1, -1, -1):
-        wrap_triton(_topk_bwd_rows_kernel)[grid](
-            scores, us, vs, du, dv, n, n_iters, t, step, seed, noise, inv_tau, **rows
-        )
-        wrap_triton(_topk_bwd_cols_kernel)[grid](
-            scores, us, vs, du, dv, acc, grad, n, n_iters, t, step, seed, noise, inv_tau, **cols
-        )
+    acc = torch.empty_like(scores)
+    core.backward(_scores_cost(scores, tau, noise, seed), grad_masks, weights, us, vs, acc, grad)
     return grad
 
 

@@ -104,7 +104,7 @@ def test_zscored_ranking_equals_anchors_spanning_the_span() -> None:
     """span * z against the sorter's [0, 1] anchors is the cost -(z - A)^2 with A in [-span/2, span/2] (Sinkhorn
     cancels the row and column constants), checked at convergence with the dense definition."""
     from attr_engine.aha.loss import sorter_scores
-    from kernels.sinkhorn import sinkhorn_eager
+    from kernels.sinkhorn import sinkhorn_reference
     from kernels.soft_rank import prefix_weights
 
     n, span, tau, iters = 16, 4.0, 0.5, 400
@@ -112,7 +112,7 @@ def test_zscored_ranking_equals_anchors_spanning_the_span() -> None:
     fractions = torch.linspace(0, 1, 5, dtype=torch.float64)
     z = sorter_scores(scores, "zscore", span) / span
     anchors = torch.linspace(span / 2, -span / 2, n, dtype=torch.float64)
-    perm = sinkhorn_eager(-(z[:, None, :] - anchors[None, :, None]).square(), iters, tau)
+    perm = sinkhorn_reference(-(z[:, None, :] - anchors[None, :, None]).square(), iters, tau)
     expected = prefix_weights(fractions, n).to(perm.dtype) @ perm
     ours = kernels.soft_topk_masks(sorter_scores(scores, "zscore", span), fractions, tau=tau, n_iters=iters, noise=0.0)
     torch.testing.assert_close(ours, expected, atol=1e-6, rtol=0)

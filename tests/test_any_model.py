@@ -35,16 +35,11 @@ REFUSED = {
     ("attention-rollout", "hf_vit"): "does not apply",
     ("legrad", "timm_cnn"): "does not apply",
     ("legrad", "tv_resnet"): "does not apply",
-    ("legrad", "tv_vit"): "does not apply",
-    ("legrad", "hf_vit"): "does not apply",
-    ("grad-cam", "tv_vit"): "does not apply",
-    ("grad-cam", "hf_vit"): "does not apply",
     ("guided-grad-cam", "timm_vit"): "does not apply",
     ("guided-grad-cam", "tv_resnet"): "does not apply",
     ("guided-grad-cam", "tv_vit"): "does not apply",
     ("guided-grad-cam", "hf_vit"): "does not apply",
     ("deeplift", "tv_resnet"): "used more than once",
-    ("gradcam:GradCAM", "hf_vit"): "cannot find the last feature stage",
 }
 
 
@@ -86,3 +81,27 @@ def test_every_method_explains_or_refuses_every_model_family(model: str, request
     for name, reason in expected.items():
         assert reason in refused[name], (name, refused[name])
     assert len(ran) >= len(_methods()) - len(expected)
+
+
+def test_a_raw_transformers_classifier_is_wrapped_and_a_headless_one_refused() -> None:
+    """Issue #33 item 8: ``Classifier(ViTForImageClassification(...), mean, std)`` failed with "Input image size
+    (224*224) doesn't match model (32*32)" (its output object is no logits tensor either). It is wrapped in
+    HFImageClassifier: same input size, logits and gradients as the README's explicit wrapping."""
+    from transformers import ViTModel
+
+    from attr_engine.classifier import Classifier
+    from attr_engine.model_sources import HFImageClassifier
+    from tests.conftest import tiny_hf_vit
+
+    hf = tiny_hf_vit()
+    raw = Classifier(hf, (0.5,) * 3, (0.5,) * 3)
+    wrapped = Classifier(HFImageClassifier(hf), (0.5,) * 3, (0.5,) * 3)
+    assert isinstance(raw.model, HFImageClassifier) and raw.model.hf is hf
+    assert raw.input_size == (3, 32, 32) and raw.num_classes == hf.config.num_labels
+    x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(raw(x), wrapped(x), rtol=0, atol=0)
+    maps = get_explainer("saliency", raw).attribute(x, target=1)
+    torch.testing.assert_close(maps, get_explainer("saliency", wrapped).attribute(x, target=1), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"^ViTModel is a transformers model without an image-classification head;"
+                       r".*HFImageClassifier"):  # fmt: skip
+        Classifier(ViTModel(hf.config), (0.5,) * 3, (0.5,) * 3)

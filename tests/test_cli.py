@@ -399,7 +399,7 @@ def test_a_run_that_fails_before_its_first_map_records_no_settings(checkpoint, t
         return explainer
 
     monkeypatch.setattr(explain_cli, "build_explainer", build)
-    assert _explain(checkpoint, src, out) == 1  # a failure while running
+    assert _explain(checkpoint, src, out) == 2  # the user's to fix, after the work started too (issue #34.1)
     assert "the explainer broke" in capsys.readouterr().err
     assert not (out / "explain.json").exists()
     monkeypatch.undo()
@@ -462,7 +462,8 @@ def test_exit_status_rule_bad_settings_are_2_before_any_work(checkpoint, tmp_pat
     assert len(err) == 1 and "error:" in err[0], err
 
 
-def test_exit_status_rule_a_failure_while_running_is_1(checkpoint, tmp_path, monkeypatch, capsys):
+def test_exit_status_rule_a_full_disk_while_running_is_2(checkpoint, tmp_path, monkeypatch, capsys):
+    """Issue #34.1: an error the user can fix exits 2 whenever it comes, in one line."""
     src, out = tmp_path / "images", tmp_path / "maps"
     _images(src, ["a.png"])
 
@@ -470,8 +471,9 @@ def test_exit_status_rule_a_failure_while_running_is_1(checkpoint, tmp_path, mon
         raise OSError(28, "No space left on device", str(path))
 
     monkeypatch.setattr(jobs, "_write_map", full_disk)
-    assert _explain(checkpoint, src, out) == 1
-    assert "No space left on device" in capsys.readouterr().err
+    assert _explain(checkpoint, src, out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "No space left on device" in err[-1] and "Traceback" not in "".join(err)
 
 
 def test_explain_writes_maps_for_images_next_to_class_folders(checkpoint, tmp_path, capsys):

@@ -25,6 +25,7 @@ from attr_engine.baselines.gradcam_any import cam_layer
 from attr_engine.classifier import Classifier
 from attr_engine.cli import main
 from attr_engine.explainer import get_explainer, list_explainers, list_methods, resolve_explainer
+from tests import vit_twins
 from tests.eval_helpers import images, single_thread, tiny_resnet, tiny_vit, untrained_resnet_checkpoint
 from tests.tolerances import tol
 
@@ -287,19 +288,85 @@ def test_project_grad_cam_on_a_torchvision_resnet(lib, models) -> None:
     torch.testing.assert_close(scaled, library, atol=1e-5, rtol=1e-5)
 
 
-def test_project_grad_cam_applies_to_torchvision_cnns_and_refuses_their_vits(models) -> None:
+def test_project_grad_cam_applies_to_torchvision_cnns_and_vits(models) -> None:
     torch.manual_seed(0)
     convnext = Classifier(
         torchvision.models.ConvNeXt([CNBlockConfig(8, 16, 1), CNBlockConfig(16, None, 1)], num_classes=4), **IMAGENET
     )
-    for clf in (models["tv_resnet"], convnext):
+    for clf, size in ((models["tv_resnet"], 64), (convnext, 64), (models["tv_vit"], 32)):
         assert "grad-cam" in list_explainers(clf)
-        maps = get_explainer("grad-cam", clf).attribute(images(2, 64, seed=7), 1)
-        assert maps.shape == (2, 64, 64) and torch.isfinite(maps).all()
+        maps = get_explainer("grad-cam", clf).attribute(images(2, size, seed=7), 1)
+        assert maps.shape == (2, size, size) and torch.isfinite(maps).all()
     assert find_layer(convnext, "features.3") is get_explainer("grad-cam", convnext).layer
-    with pytest.raises(ValueError, match="'grad-cam' does not apply to VisionTransformer"):
-        get_explainer("grad-cam", models["tv_vit"])
     assert cam_layer(models["tv_vit"].model) is models["tv_vit"].model.encoder.layers[-1].ln_1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torchvision and transformers ViTs (issue #33 item 8): the library's documented ViT call, and the timm twins
+# ---------------------------------------------------------------------------------------------------------------
+
+VIT_FAMILIES = {
+    "tv_vit": lambda **kw: vit_twins.tv_vit(**kw),
+    "hf_vit": lambda **kw: vit_twins.hf_vit(**kw),
+    "hf_vit_eager": lambda **kw: vit_twins.hf_vit(attn="eager", **kw),
+}
+
+
+def _blocks(clf: Classifier) -> list[torch.nn.Module]:
+    model = clf.model
+    return list(model.encoder.layers) if hasattr(model, "encoder") else list(model.hf.vit.layers)
+
+
+def _vit_library_maps(lib: Any, name: str, clf: Classifier, layer: Any, x: torch.Tensor, y: torch.Tensor, grid: int):
+    """pytorch-grad-cam called as its ViT tutorial does: the layer, and its ``vit_reshape_transform`` (one class
+    token dropped, the rest laid on a ``grid`` x ``grid`` patch grid)."""
+    reshape = partial(lib.utils.reshape_transforms.vit_reshape_transform, height=grid, width=grid)
+    targets = [lib.utils.model_targets.ClassifierOutputTarget(int(t)) for t in y]
+    with getattr(lib, name)(model=clf, target_layers=[layer], reshape_transform=reshape) as cam:
+        return torch.from_numpy(cam(input_tensor=x.clone().requires_grad_(True), targets=targets))
+
+
+@pytest.mark.parametrize("family", list(VIT_FAMILIES))
+@pytest.mark.parametrize("name", ["GradCAM", "GradCAMPlusPlus", "ScoreCAM"])
+def test_gradcam_family_on_torchvision_and_transformers_vits_equals_the_library(lib, family, name) -> None:
+    """``gradcam:*`` refused a transformers ViT ("cannot find the last feature stage"); on both families it is the
+    library's documented ViT call on the last block's first LayerNorm."""
+    clf, x, y = VIT_FAMILIES[family](), images(2, 32, seed=8), torch.tensor([1, 3])
+    explainer = get_explainer(f"gradcam:{name}", clf)
+    first_norm = "ln_1" if family == "tv_vit" else "layernorm_before"
+    assert explainer.layer is getattr(_blocks(clf)[-1], first_norm)
+    maps = explainer.attribute(x, y)
+    torch.testing.assert_close(maps, _vit_library_maps(lib, name, clf, explainer.layer, x, y, 4), rtol=0, atol=0)
+    assert float(maps.amax()) > 0.5 and not explainer.layer._forward_hooks
+
+
+@pytest.mark.parametrize("family", list(VIT_FAMILIES))
+def test_project_grad_cam_on_torchvision_and_transformers_vits_equals_the_library(lib, family) -> None:
+    """``grad-cam`` refused both ("does not apply to VisionTransformer"). It weights the tokens entering the last
+    block - the output of the block before, the library's layer here - without the library's per-image [0, 1]
+    rescale. With 1-pixel patches the grid is the image (no resize on either side), so the rescaled maps must be
+    the library's exactly."""
+    clf, x, y = VIT_FAMILIES[family](image_size=4, patch_size=1), images(3, 4, seed=9), torch.tensor([0, 1, 3])
+    explainer = get_explainer("grad-cam", clf)
+    assert explainer.tokens and explainer.layer is _blocks(clf)[-1]
+    maps = explainer.attribute(x, y)
+    low = maps.flatten(1).amin(1)[:, None, None]
+    scaled = (maps - low) / (1e-7 + (maps - low).flatten(1).amax(1)[:, None, None])
+    library = _vit_library_maps(lib, "GradCAM", clf, _blocks(clf)[-2], x, y, 4)
+    assert float(library.amax()) > 0.5
+    torch.testing.assert_close(scaled, library, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", list(VIT_FAMILIES))
+def test_vit_families_equal_their_timm_twin(family) -> None:
+    """The same network as a timm ViT (tests/vit_twins.py) gives the same maps: one layout, read three ways."""
+    clf, x, y = VIT_FAMILIES[family](), images(2, 32, seed=10), torch.tensor([2, 0])
+    twin = vit_twins.timm_twin_of_torchvision(clf) if family == "tv_vit" else vit_twins.timm_twin_of_transformers(clf)
+    torch.testing.assert_close(clf(x), twin(x), rtol=1e-5, atol=1e-5)
+    for name in ("grad-cam", "gradcam:GradCAM", "gradcam:HiResCAM"):
+        maps = get_explainer(name, clf).attribute(x, y)
+        assert float(maps.amax()) > 0, name
+        torch.testing.assert_close(maps, get_explainer(name, twin).attribute(x, y), rtol=1e-4, atol=1e-5)
 
 
 def test_deeplift_on_a_model_that_reuses_its_relu_is_a_clear_error():

@@ -7,6 +7,7 @@ import re
 import threading
 import warnings
 from collections.abc import Iterator
+from functools import partial
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from attr_engine.classifier import Classifier, save_classifier
 from attr_engine.classifier_training import small_model_config
 from attr_engine.cli import main
 from attr_engine.explainer import get_explainer, list_explainers
+from tests import vit_twins
 from tests.eval_helpers import images, single_thread, tiny_resnet, tiny_vit, untrained_resnet_checkpoint
 from tests.tolerances import tol
 
@@ -326,10 +328,10 @@ def test_another_threads_forward_is_neither_captured_nor_changed(vit) -> None:
 def test_refuses_models_it_does_not_fit_with_one_reason(vit) -> None:
     resnet = tiny_resnet()
     assert "legrad" in list_explainers(vit) and "legrad" not in list_explainers(resnet)
-    message = "explainer 'legrad' does not apply to ResNet (LeGrad, gradients w.r.t. attention maps, timm ViTs)"
+    message = "explainer 'legrad' does not apply to ResNet (LeGrad, gradients w.r.t. attention maps, ViTs)"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         get_explainer("legrad", resnet)
-    with pytest.raises(ValueError, match=r"LeGrad needs a timm ViT .* got ResNet"):
+    with pytest.raises(ValueError, match=r"LeGrad needs a ViT .* got ResNet"):
         LeGrad(resnet)
 
 
@@ -352,7 +354,7 @@ def test_a_model_whose_head_does_not_give_its_logits_is_refused() -> None:
     torch.manual_seed(0)
     net = _ScaledViT(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=4)
     clf = Classifier(net, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
-    with pytest.raises(ValueError, match=r"forward_head\(norm\(tokens\)\).*not give the classifier's logits"):
+    with pytest.raises(ValueError, match=r"final norm and head of _ScaledViT.*not give the classifier's logits"):
         LeGrad(clf).attribute(images(2, 32), 0)
     assert all(block.attn.fused_attn for block in net.blocks) and _hooks(clf) == 0
 
@@ -404,3 +406,29 @@ def test_a_map_without_evidence_is_zero_not_nan() -> None:
         clf.model.head.weight.zero_()
     maps = LeGrad(clf, layer_index=0).attribute(images(2, 32), target=1)
     assert torch.equal(maps, torch.zeros(2, 32, 32))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torchvision and transformers ViTs (issue #33 item 8)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["tv_vit", "hf_vit", "hf_vit_eager"])
+def test_torchvision_and_transformers_vits_equal_their_timm_twin(family) -> None:
+    """LeGrad refused both families. Their attention weights are read by recomputing ``nn.MultiheadAttention`` /
+    ``ViTAttention`` from a weight leaf; the blocks' scores go through their own final norm and class-token head.
+    The oracle is the timm path (checked against the official legrad-torch above) on a timm ViT given the same
+    weights (tests/vit_twins.py): equal maps for every layer range, for SDPA and eager transformers attention."""
+    eager = partial(vit_twins.hf_vit, attn="eager")
+    clf = {"tv_vit": vit_twins.tv_vit, "hf_vit": vit_twins.hf_vit, "hf_vit_eager": eager}[family]()
+    twin = vit_twins.timm_twin_of_torchvision(clf) if family == "tv_vit" else vit_twins.timm_twin_of_transformers(clf)
+    x, y = images(2, 32, seed=4), torch.tensor([3, 1])
+    assert "legrad" in list_explainers(clf)
+    for layer_index in (-2, 0, -1):
+        maps = LeGrad(clf, layer_index=layer_index).attribute(x, y)
+        assert maps.shape == (2, 32, 32) and float(maps.amax()) == 1.0
+        torch.testing.assert_close(maps, LeGrad(twin, layer_index=layer_index).attribute(x, y), rtol=1e-4, atol=1e-5)
+    other = LeGrad(clf).attribute(x, torch.tensor([0, 2]))
+    assert float((other - maps).abs().amax()) > 0.1  # the classes' maps differ: the equality above is not trivial
+    assert _hooks(clf) == 0
+    torch.testing.assert_close(clf(x), twin(x), rtol=1e-5, atol=1e-5)  # the forward is the model's own again

@@ -19,7 +19,7 @@ from torch import nn
 
 from attr_engine.classifier import load_classifier
 from attr_engine.pullback.soft_adjoint import soft_adjoint
-from kernels.soft_gates import soft_maxpool2d_detach
+from kernels.soft_gates import soft_maxpool2d_reference
 from tests.tolerances import tol
 
 F64 = torch.float64
@@ -173,7 +173,7 @@ def test_maxpool_backward_matches_soft_maxpool2d(pool: nn.Module | None) -> None
     g, _, dx_soft = soft_vs_plain(nn.Sequential(pool), x, maxpool_tau=0.25)
     x_ref = x_ref.detach().requires_grad_(True)
     ceil = getattr(pool, "ceil_mode", False)
-    (dx_ref,) = torch.autograd.grad(soft_maxpool2d_detach(x_ref, *args, tau=0.25, ceil_mode=ceil), x_ref, g)
+    (dx_ref,) = torch.autograd.grad(soft_maxpool2d_reference(x_ref, *args, tau=0.25, ceil_mode=ceil), x_ref, g)
     if dx_ref.shape != x.shape:
         dx_ref = dx_ref[..., 1:-1, 1:-1]
     torch.testing.assert_close(dx_soft, dx_ref, **TOL)

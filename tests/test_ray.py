@@ -277,8 +277,8 @@ def test_a_request_the_cluster_cannot_meet_is_one_line_before_anything_starts(cl
 def test_an_error_inside_an_actor_is_its_own_one_line_message(cluster, data, tmp_path, monkeypatch, capsys):
     checkpoint, src = data
     monkeypatch.setattr(attr_ray, "BatchAttributor", _BrokenActor)
-    assert _explain(checkpoint, src, tmp_path / "out", "--engine", "ray", "--limit", "1") == 1
-    assert "error: a Ray actor failed: this actor cannot build its method" in _one_line(capsys)
+    assert _explain(checkpoint, src, tmp_path / "out", "--engine", "ray", "--limit", "1") == 2
+    assert "explain: error: this actor cannot build its method" in _one_line(capsys)
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1:{port}", "ray://127.0.0.1:{port}"])

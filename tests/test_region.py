@@ -11,7 +11,14 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from kernels._backend import set_backend
-from kernels.region import blur_kernel_size, cell_index, gaussian_taps, region_pool, soft_mask_blend
+from kernels.region import (
+    blur_kernel_size,
+    cell_index,
+    gaussian_taps,
+    region_pool,
+    soft_mask_blend,
+    soft_mask_blend_reference,
+)
 from tests.conftest import requires_cuda
 from tests.tolerances import BF16, FP16, FP32, tol
 
@@ -472,3 +479,18 @@ _BAD_BLEND = [
 def test_bad_inputs_raise_value_error(call: Callable[[], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("sigma", [0.0, 1.0])
+def test_blend_matches_its_plain_autograd_reference(sigma: float) -> None:
+    """soft_mask_blend (reference backend) against soft_mask_blend_reference where their cells coincide (g | H, W)."""
+    x = torch.randn(2, 3, 24, 16, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(2, 3, 24, 16, dtype=torch.float64, requires_grad=True)
+    m = torch.rand(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 3, 3, 24, 16, dtype=torch.float64)
+    with set_backend("reference"):
+        got = soft_mask_blend(x, r, m, smooth_sigma=sigma)
+    want = soft_mask_blend_reference(x, r, m, smooth_sigma=sigma)
+    assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got, (x, r, m), g), torch.autograd.grad(want, (x, r, m), g), strict=True):
+        assert_close(a, b)

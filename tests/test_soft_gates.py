@@ -10,11 +10,11 @@ from kernels import set_backend
 from kernels.soft_gates import (
     DEFAULT_TAU,
     SOFT_GATE_KINDS,
+    _soft_gate_pytorch,
+    _soft_maxpool2d_pytorch,
     soft_gate,
-    soft_gate_detach,
     soft_gate_reference,
     soft_maxpool2d,
-    soft_maxpool2d_detach,
     soft_maxpool2d_reference,
 )
 from tests.conftest import requires_cuda
@@ -80,7 +80,7 @@ def test_soft_gate_backward_is_the_gate(kind: str) -> None:
     tau = 0.7
     z, g = torch.randn(SHAPE, dtype=torch.float64) * 2, torch.randn(SHAPE, dtype=torch.float64)
     gate = torch.sigmoid(z / tau) if kind == "silu" else torch.special.ndtr(z / tau)
-    for fn in (soft_gate_reference, soft_gate_detach, soft_gate):
+    for fn in (_soft_gate_pytorch, soft_gate_reference, soft_gate):
         _, dz = _value_and_grad(lambda t, fn=fn: fn(t, kind, tau), z, g)
         torch.testing.assert_close(dz, g * gate, atol=1e-14, rtol=1e-12)
 
@@ -99,7 +99,7 @@ def test_soft_gate_gradcheck_against_smooth_surrogate(kind: str) -> None:
         return tau * (u * torch.special.ndtr(u) + torch.exp(-0.5 * u * u) / math.sqrt(2 * math.pi))
 
     def f(z: torch.Tensor) -> torch.Tensor:
-        return soft_gate_reference(z, kind, tau) - ACT[kind](z).detach() + surrogate(z).detach()
+        return _soft_gate_pytorch(z, kind, tau) - ACT[kind](z).detach() + surrogate(z).detach()
 
     z = (torch.randn(2, 3, 4, dtype=torch.float64) * 2).requires_grad_(True)
     assert torch.autograd.gradcheck(f, (z,), eps=1e-6, atol=1e-7)
@@ -121,7 +121,7 @@ def test_soft_gate_triton_matches_reference(kind: str, dtype: torch.dtype) -> No
     z, g = (torch.randn(SHAPE) * 2).to(dtype), torch.randn(SHAPE).to(dtype)
     with set_backend("triton"):
         y, dz = _value_and_grad(lambda t: soft_gate(t, kind, tau), z, g)
-    _, dz_ref = _value_and_grad(lambda t: soft_gate_reference(t, kind, tau), z.double(), g.double())
+    _, dz_ref = _value_and_grad(lambda t: _soft_gate_pytorch(t, kind, tau), z.double(), g.double())
     assert torch.equal(_bits(y), _bits(ACT[kind](z)))
     assert dz.dtype == dtype
     torch.testing.assert_close(dz.double(), dz_ref, **tol("soft_gate", dtype))
@@ -138,7 +138,7 @@ def test_soft_gate_triton_layouts() -> None:
     for zc, gc in cases:
         with set_backend("triton"):
             _, dz = _value_and_grad(lambda t: soft_gate(t, "gelu", 0.9), zc, gc)
-        _, dz_ref = _value_and_grad(lambda t: soft_gate_reference(t, "gelu", 0.9), zc, gc)
+        _, dz_ref = _value_and_grad(lambda t: _soft_gate_pytorch(t, "gelu", 0.9), zc, gc)
         torch.testing.assert_close(dz, dz_ref, **tol("soft_gate", torch.float32))
     # The fast path keeps the caller's memory format for the gradient.
     with set_backend("triton"):
@@ -160,8 +160,8 @@ def test_soft_gate_small_tau_gives_relu_gradient(backend: str) -> None:
 def test_soft_gate_detach_formulation_agrees_on_finite_inputs() -> None:
     z, g = torch.randn(SHAPE) * 3, torch.randn(SHAPE)
     for kind in SOFT_GATE_KINDS:
-        y_d, dz_d = _value_and_grad(lambda t, k=kind: soft_gate_detach(t, k, 0.5), z, g)
-        y_r, dz_r = _value_and_grad(lambda t, k=kind: soft_gate_reference(t, k, 0.5), z, g)
+        y_d, dz_d = _value_and_grad(lambda t, k=kind: soft_gate_reference(t, k, 0.5), z, g)
+        y_r, dz_r = _value_and_grad(lambda t, k=kind: _soft_gate_pytorch(t, k, 0.5), z, g)
         assert torch.equal(y_d, y_r)  # equal as numbers (the detach sum only loses the sign of zero)
         torch.testing.assert_close(dz_d, dz_r, atol=0.0, rtol=0.0)
 
@@ -227,7 +227,7 @@ def test_soft_maxpool2d_backward_is_softmax_spreading(pool: str) -> None:
     x = torch.randn(2, 3, 7, 6, dtype=torch.float64)
     g = torch.randn_like(F.max_pool2d(x, **POOLS[pool]))
     _, expected = _value_and_grad(lambda t: _smooth_max_pool(t, POOLS[pool], tau), x, g)
-    for fn in (soft_maxpool2d_reference, soft_maxpool2d_detach, soft_maxpool2d):
+    for fn in (_soft_maxpool2d_pytorch, soft_maxpool2d_reference, soft_maxpool2d):
         _, dx = _value_and_grad(lambda t, fn=fn: fn(t, **POOLS[pool], tau=tau), x, g)
         torch.testing.assert_close(dx, expected, atol=1e-13, rtol=1e-12)
 
@@ -262,7 +262,7 @@ def test_soft_maxpool2d_windows_far_below_their_plane_maximum_fall_back_to_the_u
     g = torch.randn_like(F.max_pool2d(x, **cfg))
     assert _soft_maxpool2d_backward_pooled(x, g, geom, False, tau) is None
     _, expected = _value_and_grad(lambda t: _smooth_max_pool(t, cfg, tau), x, g)
-    _, dx = _value_and_grad(lambda t: soft_maxpool2d_reference(t, **cfg, tau=tau), x, g)
+    _, dx = _value_and_grad(lambda t: _soft_maxpool2d_pytorch(t, **cfg, tau=tau), x, g)
     assert torch.isfinite(dx).all()
     torch.testing.assert_close(dx, expected, atol=1e-13, rtol=1e-12)
 
@@ -273,7 +273,7 @@ def test_soft_maxpool2d_gradcheck_against_smooth_surrogate(pool: str) -> None:
 
     def f(x: torch.Tensor) -> torch.Tensor:
         swap = _smooth_max_pool(x, cfg, tau) - F.max_pool2d(x, **cfg)
-        return soft_maxpool2d_reference(x, **cfg, tau=tau) + swap.detach()
+        return _soft_maxpool2d_pytorch(x, **cfg, tau=tau) + swap.detach()
 
     x = torch.randn(1, 2, 5, 6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(f, (x,), eps=1e-6, atol=1e-7)
@@ -287,7 +287,7 @@ def test_soft_maxpool2d_triton_matches_reference(pool: str, dtype: torch.dtype) 
     g = torch.randn_like(F.max_pool2d(x, **cfg))
     with set_backend("triton"):
         y, dx = _value_and_grad(lambda t: soft_maxpool2d(t, **cfg, tau=tau), x, g)
-    _, dx_ref = _value_and_grad(lambda t: soft_maxpool2d_reference(t, **cfg, tau=tau), x.double(), g.double())
+    _, dx_ref = _value_and_grad(lambda t: _soft_maxpool2d_pytorch(t, **cfg, tau=tau), x.double(), g.double())
     assert torch.equal(_bits(y), _bits(F.max_pool2d(x, **cfg)))
     assert dx.dtype == dtype
     torch.testing.assert_close(dx.double(), dx_ref, **tol("soft_maxpool2d", dtype))
@@ -307,8 +307,8 @@ def test_soft_maxpool2d_triton_layouts() -> None:
     assert torch.equal(y, y_torch)
     assert y.stride() == y_torch.stride()
     assert dx_cl.is_contiguous(memory_format=torch.channels_last)
-    _, dx_cl_ref = _value_and_grad(lambda t: soft_maxpool2d_reference(t, **cfg).sum(), x, torch.ones(()))
-    _, dx_t_ref = _value_and_grad(lambda t: soft_maxpool2d_reference(t, **cfg), x_t, g_t)
+    _, dx_cl_ref = _value_and_grad(lambda t: _soft_maxpool2d_pytorch(t, **cfg).sum(), x, torch.ones(()))
+    _, dx_t_ref = _value_and_grad(lambda t: _soft_maxpool2d_pytorch(t, **cfg), x_t, g_t)
     torch.testing.assert_close(dx_cl, dx_cl_ref, **tol("soft_maxpool2d", torch.float32))
     torch.testing.assert_close(dx_t, dx_t_ref, **tol("soft_maxpool2d", torch.float32))
 
@@ -411,12 +411,12 @@ def test_cuda_kernels_match_reference(dtype: torch.dtype) -> None:
     for kind in SOFT_GATE_KINDS:
         g = torch.randn_like(x)
         y, dz = _value_and_grad(lambda t, k=kind: soft_gate(t, k), x, g)
-        _, dz_ref = _value_and_grad(lambda t, k=kind: soft_gate_reference(t, k), x.double(), g.double())
+        _, dz_ref = _value_and_grad(lambda t, k=kind: _soft_gate_pytorch(t, k), x.double(), g.double())
         assert torch.equal(_bits(y), _bits(ACT[kind](x)))
         torch.testing.assert_close(dz.double(), dz_ref, **tol("soft_gate", dtype))
     for cfg in POOLS.values():
         g = torch.randn_like(F.max_pool2d(x, **cfg))
         y, dx = _value_and_grad(lambda t, c=cfg: soft_maxpool2d(t, **c), x, g)
-        _, dx_ref = _value_and_grad(lambda t, c=cfg: soft_maxpool2d_reference(t, **c), x.double(), g.double())
+        _, dx_ref = _value_and_grad(lambda t, c=cfg: _soft_maxpool2d_pytorch(t, **c), x.double(), g.double())
         assert torch.equal(_bits(y), _bits(F.max_pool2d(x, **cfg)))
         torch.testing.assert_close(dx.double(), dx_ref, **tol("soft_maxpool2d", dtype))

@@ -9,7 +9,7 @@ from kernels.soft_rank import (
     gumbel_noise,
     prefix_weights,
     soft_topk_masks,
-    soft_topk_masks_dense,
+    soft_topk_masks_reference,
     triton_gumbel_noise,
 )
 from tests.tolerances import tol
@@ -22,7 +22,7 @@ def _reference_noise(bsz: int, n: int, seed: int) -> torch.Tensor:
 
 def _dense_and_grad(scores, fractions, tau, n_iters, gumbel, grad_out):
     s64 = scores.detach().double().requires_grad_()
-    masks = soft_topk_masks_dense(s64, fractions.double(), tau=tau, n_iters=n_iters, gumbel=gumbel)
+    masks = soft_topk_masks_reference(s64, fractions.double(), tau=tau, n_iters=n_iters, gumbel=gumbel)
     (grad,) = torch.autograd.grad((masks * grad_out.double()).sum(), s64)
     return masks, grad
 
@@ -62,7 +62,7 @@ def test_dense_definition_gradcheck_float64():
     fractions = torch.tensor([0.25, 0.6], dtype=torch.float64)
     noise = _reference_noise(2, 4, 0)
     assert torch.autograd.gradcheck(
-        lambda s: soft_topk_masks_dense(s, fractions, tau=0.7, n_iters=5, gumbel=noise), (scores,)
+        lambda s: soft_topk_masks_reference(s, fractions, tau=0.7, n_iters=5, gumbel=noise), (scores,)
     )
 
 

@@ -45,93 +45,48 @@ def grid_rule(height: int, width: int | None = None) -> tuple[int, int]:
 class AHAConfig:
     """Configuration of an AHA explainer (architecture, soft-AUC loss, optimiser, test-time refinement).
 
-    Sizes that depend on the input resolution (grid range, peak-penalty window, mask blur) default to ``None`` and
-    are derived from the image's short side by :meth:`resolved`, the one place a grid range is fitted to an image.
-    The loss settings training and refinement share come from :meth:`loss_kwargs`. Each default below names its
-    origin: **official** (the official AHA code / paper, methods.md section 1), **scaled** (an official 224 px value
-    scaled with the image side), **measured** (chosen by the bench named; its command, conditions and tables are in
-    benches/README.md), or **project** (a choice of this project, not measured against alternatives).
-    docs/deviations.md lists every deliberate difference from the official code in one place. "bench_aha_defaults"
-    stands for ``python -m benches.bench_aha_defaults`` (benches/README.md, "AHA defaults: grid rule and score
-    scaling"), "bench_aha_refine" for ``python -m benches.bench_aha_refine`` (benches/README.md, "AHA test-time
-    refinement (per image)").
+    Frozen and validated in ``__post_init__``. Resolution-dependent sizes default to ``None`` and are derived from
+    the image's short side by :meth:`resolved`. Origin of each default in brackets: official (AHA code / paper),
+    scaled (official 224 px value scaled with the side), measured (a bench in benches/README.md), project (a choice
+    of this project). The notes and measurements behind each field are in docs/aha_config.md.
 
-    Architecture:
-        backbone: ``None`` uses the classifier's own timm backbone; a timm model name uses that model instead
-            (``backbone_pretrained`` loads its weights; its own mean/std are applied). Project (official: a frozen
-            DINOv3 ViT-L/16).
-        layers: backbone block/stage indices to tap; ``None`` = four evenly spaced blocks for transformers (official:
-            4/11/17/23 of 24, i.e. evenly spaced), every stage for CNNs (project).
-        decoder_dim: channels of the fused decoder; class_dim: size of the learned class embedding joined to every
-            feature position. Project (CPU-sized; the official decoder is a DPT at ViT-L width).
-        image_dim: channels of the full-resolution image encoding and of the head that joins it to the fused
-            features; ``None`` = ``max(8, decoder_dim // 2)``. Project.
-        decoder: "full" (3x3 convolutions at ``decoder_dim`` channels up to the input resolution) or "light"
-            (upsampling at ``image_dim`` channels, depthwise-separable stages at and above half the input
-            resolution: its cost per pixel follows ``image_dim``; see :class:`~attr_engine.aha.network.Decoder`).
-            Project.
-
-    Loss (methods.md section 1):
-        grid_range: inclusive (min, max) grid size drawn per step; ``None`` = :func:`grid_rule` of the short side:
-            7..28 at 224 px (official) and at 64 px, 4..16 at 32 px (measured, bench_aha_defaults, against the
-            earlier rule that scaled the official cell sizes). An explicit range is clipped to the short side.
-        random_offset: shift the grid's cell boundaries by a random sub-cell offset (a fraction of a cell, uniform in
-            [0, 1) per axis) each step; pooling and blending share the shifted cells. Project, not measured against
-            off: the official code ships its grid shift off (``grid_shift_max_frac=None``), and its shift, when on,
-            moves the upsampled mask by whole pixels with reflection at the edge; ``False`` is the official
-            default. Kept on so that the cell edges do not sit on the same pixels at every step.
-        tau_start, tau_end: Sinkhorn temperature 1.0 -> 0.3, annealed linearly over training. Official.
-        n_iters: Sinkhorn iterations (30); noise: Gumbel noise scale (1). Official.
-        n_fractions: number S of perturbation fractions per curve (16); fraction_sampling "linspace" (fixed, with
-            endpoints; official) or "random" (sorted uniform draws plus both endpoints).
-        references: reference images drawn from at random each step ("black", "mean", "blur"). Official.
-        peak_weight: weight w = 0.0025 of the peak penalty mean(relu(A - avgpool(A))^2) (official); peak_kernel its
-            window, ``None`` = 15 px at 224 px (scaled, odd, >= 3). Border windows average the in-image pixels
-            (project; the official code reflect-pads).
-        mask_sigma: Gaussian blur (px) of the upsampled soft masks before blending, as the official training does
-            (reflect padding, 2 * ceil(3 sigma) + 1 taps, clamp to [0, 1]); ``None`` = 1.0 at 224 px scaled with
-            the image side (official, scaled), 0 = off. Evaluation and the hard metric never smooth. The clamp's
-            gradient passes at exactly 0 and 1 (project; the official torch.clamp stops it there).
-        score_norm: what enters the sorter: "zscore" (default; each image's region scores standardised over its
-            cells) or "raw" (the scores as pooled, as the paper and official code do). Measured, bench_aha_defaults
-            (z-scoring won there). Raw scores let the map's scale act as a temperature, and an untrained decoder's
-            small maps rank almost uniformly. Under "zscore" the map's overall scale is free: only its ranking is
-            trained.
-        anchor_span: with "zscore", the span of the rank anchors the z-scores are matched against (4.0: anchors in
-            [-2, 2]). From the prototype of issue #13, not tuned here; unused with "raw" (whose anchors span [0, 1],
-            official).
-        targets: "pred+label" explains the predicted class and the label (or the runner-up where they agree;
-            official scores one map for both); "pred" only the predicted class.
-
-    Optimiser:
-        lr (3e-4), weight_decay (1e-3), warmup (fraction of steps, 0.06), grad_clip (1.0), seed (42), amp (bf16
-        autocast of the classifier on CUDA): official values (AdamW). Not re-tuned here: the prototype's lr 1e-3
-        was not measured against 3e-4 by bench_aha_defaults. The schedule's shape is the project's
-        (``attr_engine._training.warmup_cosine``, shared with the classifier training; not measured against the
-        official one): linear warm-up from lr / warmup_steps to lr over ``round(warmup * steps)`` steps, then
-        cosine decay to 0. The official schedule warms up from lr / 25 and decays to lr / 2.5e5 (lr / 25 / 1e4).
-
-    Test-time refinement (``refine_steps`` T > 0; per image, see :meth:`AHA._refine`). Measured, bench_aha_refine
-    (T=3 beside Integrated Gradients at 50 steps, small ViT and ResNet at 64 and 32 px):
-        refine_depth: decoder layers refined per image: 2 (the head's last 3x3 convolution and the output
-            projection; default) or 1 (the projection only: even at a much larger rate it deleted worse on three
-            of the four).
-        refine_lr: Adam step size, 1e-3 (3e-3 overshot on three of the four).
-        refine_fractions: fractions per refinement curve (6). A step costs 2 x (refine_fractions - 2) classifier
-            passes with backward per image (the curves' ends do not depend on the map), so T=3 makes 24 against
-            Integrated Gradients' 50; 8 fractions scored alike and cost more than IG-50 on one of the four.
-        refine_grid_range: grids drawn per step; ``None`` = the lower half of ``grid_range`` (7..14 at 64 and
-            224 px, 4..8 at 32 px), because the sorter's cost grows with the square of the cell count.
-
-    Validation and early stopping (used only by ``AHA.fit(..., val=...)``; see :func:`attr_engine.aha.trainer.fit`
-    for the budget rule). Project choices, not measured against alternatives:
-        val_every: optimiser steps between two scores of the validation set (50; also once before the first step
-            and once after the last).
-        patience: scores in a row without an improvement before training stops (5).
-        min_delta: the gain of the validation composite (insertion AUC - deletion AUC, hard curves) over the best
-            so far that counts as an improvement (0.001).
-        val_fractions: fraction intervals of each validation curve (8, i.e. 9 points: the curve engine makes
-            ``2 x (val_fractions - 1)`` classifier passes per image; the AHA protocol's reported scores use 20).
+    Attributes:
+        backbone: timm model name tapped instead of the classifier's own backbone; None = the classifier's. [project]
+        backbone_pretrained: load ``backbone``'s pretrained weights. [project]
+        layers: backbone block/stage indices to tap; None = 4 evenly spaced blocks (ViT), every stage (CNN). [official]
+        decoder_dim: channels of the fused decoder (64). [project]
+        class_dim: size of the class embedding joined to every feature position (32). [project]
+        image_dim: channels of the full-resolution image encoding; None = max(8, decoder_dim // 2). [project]
+        decoder: "full" (3x3 convolutions) or "light" (depthwise-separable stages at high resolution). [project]
+        grid_range: inclusive (min, max) grid per step; None = :func:`grid_rule` of the short side. [official/measured]
+        random_offset: shift the grid's cell boundaries by a random sub-cell offset each step (True). [project]
+        tau_start: Sinkhorn temperature at the first step (1.0), annealed linearly to ``tau_end``. [official]
+        tau_end: Sinkhorn temperature at the last step (0.3). [official]
+        n_iters: Sinkhorn iterations (30). [official]
+        noise: Gumbel noise scale of the sorter (1.0). [official]
+        n_fractions: perturbation fractions S per curve (16). [official]
+        fraction_sampling: "linspace" (fixed, with endpoints) or "random" (sorted uniform plus endpoints). [official]
+        references: reference images drawn from each step ("black", "mean", "blur"). [official]
+        peak_weight: weight of the peak penalty mean(relu(A - avgpool(A))^2) (0.0025). [official]
+        peak_kernel: peak-penalty window in px; None = 15 px at 224 px, odd, >= 3. [scaled]
+        mask_sigma: Gaussian blur (px) of the upsampled masks before blending; None = 1.0 at 224 px, 0 = off. [scaled]
+        score_norm: what enters the sorter: "zscore" (per-image standardised) or "raw" (as pooled). [measured]
+        anchor_span: span of the rank anchors the z-scores are matched against (4.0). [project]
+        targets: "pred+label" (the prediction and the label or runner-up) or "pred". [project]
+        lr: AdamW learning rate (3e-4). [official]
+        weight_decay: AdamW weight decay (1e-3). [official]
+        warmup: fraction of the steps spent in linear warm-up before cosine decay (0.06). [official]
+        grad_clip: gradient-norm clip (1.0). [official]
+        seed: seed of the training run (42). [official]
+        amp: bf16 autocast of the classifier on CUDA (True). [official]
+        refine_lr: Adam step size of test-time refinement (1e-3). [measured]
+        refine_depth: decoder layers refined per image, 2 or 1 (2). [measured]
+        refine_fractions: fractions per refinement curve (6). [measured]
+        refine_grid_range: grids of refinement steps; None = the lower half of ``grid_range``. [measured]
+        val_every: optimiser steps between two validation scores (50). [project]
+        patience: validation scores without improvement before training stops (5). [project]
+        min_delta: gain of the validation composite that counts as an improvement (1e-3). [project]
+        val_fractions: fraction intervals of each validation curve (8). [project]
     """
 
     backbone: str | None = None

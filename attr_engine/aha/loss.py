@@ -7,16 +7,11 @@ One evaluation of the objective for maps A (B, H, W):
   (``mask_sigma``)  ->  softmax probability of the target class  ->  trapezoid AUC.
 loss = delAUC + (1 - insAUC) + w * mean(relu(A - avgpool(A))^2).
 
-What enters the sorter is set by ``score_norm`` (:func:`sorter_scores`). The paper and the official code pass the
-region scores raw; their scale then acts as an inverse temperature (the cost -(s_i - a_j)^2 changes by
-2 s_i a_j / tau between rank slots), so the explainer must first learn how sharply to rank, and an untrained
-decoder's small maps rank almost uniformly. The default z-scores each image's scores and ranks them against anchors
-spanning [-2, 2] (``anchor_span`` 4): the sharpness is fixed at the schedule's temperature and training moves only
-the order; it won on ``benches/bench_aha_defaults.py`` (benches/README.md, "AHA defaults: grid rule and score
-scaling"). The soft AUC under z-scores falls less in training than under raw scores (the soft ranking cannot be
-sharpened past the temperature) while the hard metric falls more. Min-max normalising to [0, 1], tried earlier, was
-too soft at tau 0.3 to train at all. The figures behind these statements are in benches/README.md, "Measurements
-quoted in the AHA docstrings".
+What enters the sorter is set by ``score_norm`` (:func:`sorter_scores`). Raw region scores (paper, official code)
+act through their scale as an inverse temperature (the cost -(s_i - a_j)^2 changes by 2 s_i a_j / tau between rank
+slots), so the explainer must first learn how sharply to rank. The default z-scores each image's scores and ranks
+them against anchors spanning [-2, 2] (``anchor_span`` 4): the sharpness is fixed by the schedule's temperature and
+training moves only the order. The comparison behind this default: docs/aha_config.md (``score_norm``).
 
 The settings a config fixes for every call (sorter iterations, peak penalty, mask smoothing, score normalisation,
 autocast) come from :meth:`AHAConfig.loss_kwargs <attr_engine.aha.config.AHAConfig.loss_kwargs>`, the same in a
@@ -29,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import kernels
-from attr_engine.classifier import Classifier
+from attr_engine.classifier import Classifier, images_per_call
 
 
 @dataclass
@@ -85,7 +81,10 @@ def standardise(values: torch.Tensor, dim: int | tuple[int, ...], scale: float =
     """``values`` shifted to mean 0 and scaled to (population) standard deviation ``scale`` along ``dim``."""
     centred = values - values.mean(dim=dim, keepdim=True)
     # rsqrt(var + eps): finite values and gradients for a constant input (std 0: all zeros), unlike dividing by std().
-    return scale * centred * torch.rsqrt(centred.square().mean(dim=dim, keepdim=True) + 1e-12)
+    inv_std = torch.rsqrt(centred.square().mean(dim=dim, keepdim=True) + 1e-12)
+    # No multiply by a Python 1.0 (exact, so the values are the same): an exported graph would carry it as a constant
+    # Mul, which onnxruntime's optimiser mishandles in graphs from the legacy exporter (microsoft/onnxruntime#32413).
+    return centred * inv_std if scale == 1.0 else scale * centred * inv_std
 
 
 def target_probabilities(
@@ -97,6 +96,62 @@ def target_probabilities(
         logits = classifier.forward_trusted(images.flatten(0, 1))  # blends of validated images
     probs = logits.float().softmax(dim=-1).view(bsz, steps, -1)
     return probs.gather(2, target.view(bsz, 1, 1).expand(bsz, steps, 1))[..., 0]
+
+
+def blend_probabilities(
+    classifier: Classifier,
+    x: torch.Tensor,
+    reference: torch.Tensor,
+    masks: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    offset: tuple[float, float],
+    mask_sigma: float,
+    amp: bool = False,
+) -> torch.Tensor:
+    """The target probability of each blend ``x + up(m) * (reference - x)``: (B, S) for masks (B, S, g, g).
+
+    x, reference: (B, C, H, W); target: (B,). The B x S blends go through the classifier in groups of at most
+    :func:`~attr_engine.classifier.images_per_call` (on a CPU; all at once elsewhere), each group recomputed in the
+    backward instead of keeping its activations (``torch.utils.checkpoint``): a training step at 224 px would
+    otherwise hold every blend's activations at once. Each blend is computed on its own (per image and fraction),
+    so the grouping changes neither the probabilities nor their gradients (up to float rounding); it costs one
+    more classifier forward per group in the backward, and only where the blends exceed the limit.
+    """
+    bsz, steps = masks.shape[:2]
+    per_call = images_per_call(x.shape[-2], x.shape[-1], x.device)
+    if per_call is None or per_call >= bsz * steps:
+        return _blend_group(classifier, x, reference, masks, target, offset, mask_sigma, amp)
+    # Whole curves per group where one fits, else pieces of one curve.
+    rows, cols = (per_call // steps, steps) if per_call >= steps else (1, per_call)
+    recompute = torch.is_grad_enabled() and masks.requires_grad
+    curves = []
+    for b in range(0, bsz, rows):
+        pieces = []
+        for s in range(0, steps, cols):
+            args = (x[b : b + rows], reference[b : b + rows], masks[b : b + rows, s : s + cols], target[b : b + rows])
+            extra = (offset, mask_sigma, amp)
+            if recompute:
+                pieces.append(checkpoint(_blend_group, classifier, *args, *extra, use_reentrant=False))
+            else:
+                pieces.append(_blend_group(classifier, *args, *extra))
+        curves.append(torch.cat(pieces, dim=1))
+    return torch.cat(curves)
+
+
+def _blend_group(
+    classifier: Classifier,
+    x: torch.Tensor,
+    reference: torch.Tensor,
+    masks: torch.Tensor,
+    target: torch.Tensor,
+    offset: tuple[float, float],
+    mask_sigma: float,
+    amp: bool,
+) -> torch.Tensor:
+    """masks: (b, s, g, g) over x, reference: (b, C, H, W) -> (b, s) target probabilities, in one classifier call."""
+    images = kernels.soft_mask_blend(x, reference, masks, offset, smooth_sigma=mask_sigma, validate=False)
+    return target_probabilities(classifier, images, target, amp=amp)
 
 
 def soft_auc_loss(
@@ -162,10 +217,10 @@ def soft_auc_loss(
         both, inner, tau=tau, n_iters=n_iters, noise=noise, generator=generator, validate=False
     )
     masks = masks.view(2 * bsz, inner.numel(), grid, grid)
-    images = kernels.soft_mask_blend(
-        torch.cat((x, x)), torch.cat((reference, reference)), masks, offset, smooth_sigma=mask_sigma, validate=False
-    )
-    curves = target_probabilities(classifier, images, torch.cat((target, target)), amp=amp)
+    curves = blend_probabilities(
+        classifier, torch.cat((x, x)), torch.cat((reference, reference)), masks, torch.cat((target, target)),
+        offset=offset, mask_sigma=mask_sigma, amp=amp,
+    )  # fmt: skip
     if endpoints is not None:
         # Both curves blend towards the reference (insertion removes the least important cells first): each
         # runs from the image at fraction 0 to the reference at fraction 1.

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
 
 from attr_engine.aha.config import AHAConfig
 from attr_engine.aha.loss import soft_auc_loss, standardise, target_probabilities
 from attr_engine.aha.network import Decoder, FeatureBackbone, PerImageTail, build_backbone
 from attr_engine.aha.persistence import WEIGHTS_FILE, load_checkpoint, save_explainer
 from attr_engine.aha.trainer import fit as train_decoder
-from attr_engine.aha.validation import ValData
-from attr_engine.classifier import Classifier
+from attr_engine.classifier import Classifier, check_device, eval_mode, resolve_targets
 from attr_engine.explainer import Explainer, register_explainer
 from attr_engine.imageops import reference_image
-from kernels._validate import check_int_at_least
+from kernels._validate import check_int, check_int_at_least, check_positive, check_tensor
 
 __all__ = ["AHA"]
 
@@ -144,6 +142,56 @@ class AHA(nn.Module, Explainer):
                 maps = self(x, target).float()
         return standardise_maps(maps) if self.config.score_norm == "zscore" else maps
 
+    def predict_and_explain(
+        self, x: torch.Tensor, target: int | Sequence[int] | torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The classifier's logits and the maps of ``target`` from one pass of the backbone.
+
+        ``attribute(x)`` with ``target=None`` runs the classifier once for the prediction and the backbone again for
+        the decoder's levels; here one pass gives both (:meth:`FeatureBackbone.forward_with_logits`) when the
+        backbone is the classifier's own network (``config.backbone`` None) and its adapter can (timm models with
+        ``forward_head``, torchvision and transformers classifiers). Otherwise (a separate backbone, a model
+        without ``forward_head``) the classifier runs once more for the logits, as ``attribute`` does.
+
+        Args:
+            x: (B, 3, H, W) images in [0, 1] on the classifier's device, checked as :meth:`attribute` checks them.
+            target: as for :meth:`attribute`; ``None`` explains each image's predicted class (argmax of the
+                returned logits).
+
+        Returns:
+            ``(logits, maps)``: (B, K) logits in the classifier's dtype, and (B, H, W) float32 maps equal bit for
+            bit to ``attribute(x, target=<the class explained>)`` with this explainer's options (refinement
+            included: ``refine_steps`` > 0 refines as :meth:`attribute` does, on the same levels).
+
+        Raises:
+            ValueError: bad images or target (the same checks and messages as :meth:`attribute`).
+            RuntimeError: refinement asked inside ``torch.inference_mode()``.
+        """
+        opts = self.defaults
+        if opts["refine_steps"] and torch.is_inference_mode_enabled():
+            raise RuntimeError("aha with refine_steps > 0 needs autograd and cannot run inside torch.inference_mode()")
+        check_device(x, self.classifier)
+        check_tensor(x, "x", ndim=4, finite=True)
+        if x.shape[1] != 3:
+            raise ValueError(f"x must be (B, 3, H, W) RGB images, got shape {tuple(x.shape)}")
+        x = self._cast_inputs(x)
+        if x.shape[0] == 0:  # an empty batch (the tail of a filtered loader): empty results, the target still checked
+            resolve_targets(self.classifier, x, target, logits=torch.zeros(0, self.classifier.num_classes))
+            return torch.zeros(0, self.classifier.num_classes, device=x.device), x.new_zeros(0, *x.shape[2:])
+        with eval_mode(self.classifier), torch.no_grad():
+            if self.backbone.model is self.classifier.model:
+                feats, logits = self.backbone.forward_with_logits(x)
+            else:
+                feats, logits = self.backbone(x), self.classifier(x)
+            classes = resolve_targets(self.classifier, x, target, logits=logits)
+            if not opts["refine_steps"]:
+                maps = self.decoder(feats, x, classes).float()
+        if opts["refine_steps"]:
+            with eval_mode(self.classifier):
+                maps = self._refine(x.clone(), classes, opts["refine_steps"], opts["seed"], feats)
+        maps = standardise_maps(maps) if self.config.score_norm == "zscore" else maps
+        return logits.detach(), maps.detach()
+
     def _shallow_copy(self, classifier: Classifier) -> AHA:
         """This explainer's trained decoder (shared, not copied) and options over ``classifier``: its backbone (when
         AHA uses the classifier's own) and that classifier as the scorer, so a model with randomised layers changes
@@ -186,6 +234,7 @@ class AHA(nn.Module, Explainer):
         target: torch.Tensor,
         steps: int,
         generator: torch.Generator | int | None,
+        feats: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Fine-tune per-image copies of the decoder's last layers on each image's soft objective; return the maps.
 
@@ -194,10 +243,12 @@ class AHA(nn.Module, Explainer):
         its own gradient: a refined map does not depend on its batch mates. The grids and offsets of the steps are
         drawn from ``generator`` alone, the same for every image. Everything before the tail runs once, without
         autograd; a step costs ``2 x (config.refine_fractions - 2)`` classifier passes with backward per image
-        (the curves' ends do not depend on the map and are computed once). Refining decoder weights rather than
-        the map keeps the maps in the family the decoder draws (smooth, image aligned); gradient steps on the map
-        itself arrive through region pooling as per-cell blocks. The masks are smoothed as in training
-        (``config.mask_sigma``), and the grids are clipped to the short side of ``x``.
+        (the curves' ends do not depend on the map and are computed once). Refining decoder
+        weights rather than the map keeps the maps in the family the decoder draws (smooth, image aligned); gradient
+        steps on the map itself arrive through region pooling as per-cell blocks. The masks are smoothed as in
+        training (``config.mask_sigma``), and the grids are clipped to the short side of ``x``. ``feats``: the
+        backbone's levels of ``x`` if the caller has them (:meth:`predict_and_explain`), else one backbone pass
+        computes them.
         """
         cfg = self.config
         gen = _as_generator(generator if generator is not None else cfg.seed)
@@ -206,7 +257,8 @@ class AHA(nn.Module, Explainer):
         # The grid may not exceed the short side of these images (kernels.region_pool): resolved clips the range.
         lo, hi = cfg.resolved((x.shape[-2], x.shape[-1])).refine_grid_range  # type: ignore[misc]
         with torch.no_grad():
-            hidden = self.decoder.hidden(self.backbone(x), x, target, cfg.refine_depth)
+            levels = self.backbone(x) if feats is None else feats
+            hidden = self.decoder.hidden(levels, x, target, cfg.refine_depth)
             # The curves' ends (all kept / all removed) do not depend on the map: two passes for all the steps.
             ends = target_probabilities(self.classifier, torch.stack((x, reference), dim=1), target, amp=cfg.amp)
             endpoints = (ends[:, 0], ends[:, 1])
@@ -228,41 +280,79 @@ class AHA(nn.Module, Explainer):
         with torch.no_grad():
             return tail(hidden).float()
 
+    def optimise_maps(
+        self,
+        x: torch.Tensor,
+        target: torch.Tensor | None = None,
+        *,
+        steps: int,
+        record: Sequence[int] = (),
+        lr: float = 0.05,
+        seed: int | None = None,
+    ) -> dict[int, torch.Tensor]:
+        """The per-image optimum of AHA's training objective: free maps, initialised from the one-pass maps.
+
+        Each image's map (H x W free values, not decoder weights) starts from the explainer's standardised T=0 map
+        and takes ``steps`` Adam steps (rate ``lr``) on that image's soft objective as training scores it: grids
+        drawn from ``config.grid_range`` with the training's sub-cell offsets, ``config.n_fractions`` fractions,
+        the final temperature ``tau_end`` without Gumbel noise, the mask smoothing and peak penalty of training,
+        and the mean-colour reference the metrics use. The loss is the sum of the per-image objectives, so a map
+        does not depend on its batch mates. No cost limit: this measures what the objective itself would give each
+        image (its gap to the one-pass map is the amortization gap), not a method to serve. A step costs
+        ``2 x (n_fractions - 2)`` classifier passes with backward per image.
+
+        Args:
+            x: (B, 3, H, W) images in [0, 1]; target: (B,) classes (``None``: the predicted ones).
+            steps: Adam steps (>= 0); record: step counts (each in [0, steps]) whose maps are returned too.
+            lr: Adam step size, in standard deviations of the initial map; seed: the grid draws (None:
+                ``config.seed``).
+
+        Returns:
+            ``{step: (B, H, W) float32 maps}`` for every step in ``record`` and for ``steps``.
+        """
+        check_int_at_least(steps, "steps", 0)
+        wanted = sorted({*(check_int(s, "record") for s in record), steps})
+        if wanted[0] < 0 or wanted[-1] > steps:
+            raise ValueError(f"record must hold step counts in [0, {steps}], got {list(record)!r}")
+        check_positive(lr, "lr")
+        if x.ndim != 4 or x.shape[1] != 3 or not x.is_floating_point():
+            raise ValueError(f"x must be float images (B, 3, H, W), got {tuple(x.shape)} {x.dtype}")
+        cfg = self.config.resolved((x.shape[-2], x.shape[-1]))
+        x = x.float().to(self.device)
+        gen = _as_generator(cfg.seed if seed is None else seed)
+        with torch.no_grad():
+            if target is None:
+                target = self.classifier(x).argmax(dim=1)
+            target = target.to(self.device)
+            maps = standardise_maps(self(x, target).float())
+            reference = reference_image(x, "mean", self.classifier.norm_mean)
+            ends = target_probabilities(self.classifier, torch.stack((x, reference), dim=1), target, amp=cfg.amp)
+        fractions = torch.linspace(0, 1, cfg.n_fractions, device=x.device)
+        lo, hi = cfg.grid_range  # type: ignore[misc]
+        free = nn.Parameter(maps.clone())
+        optimizer = torch.optim.Adam([free], lr=lr)
+        out = {0: maps.clone()} if 0 in wanted else {}
+        with torch.enable_grad():
+            for step in range(1, steps + 1):
+                grid = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+                offset = tuple(torch.rand(2, generator=gen).tolist()) if cfg.random_offset else (0.0, 0.0)
+                result = soft_auc_loss(
+                    self.classifier, x, free, target, reference, grid=grid, fractions=fractions, tau=cfg.tau_end,
+                    offset=offset, noise=0.0, endpoints=(ends[:, 0], ends[:, 1]), **cfg.loss_kwargs(),
+                )  # fmt: skip
+                optimizer.zero_grad(set_to_none=True)
+                (result.loss * x.shape[0]).backward()  # the sum of the per-image objectives (see _refine)
+                optimizer.step()
+                if step in wanted:
+                    out[step] = free.detach().clone()
+        return out
+
     # ------------------------------------------------------------------------------------------------------------
     # Training
     # ------------------------------------------------------------------------------------------------------------
 
-    def fit(
-        self,
-        data: Dataset | DataLoader,
-        *,
-        epochs: int | None = None,
-        batch_size: int = 32,
-        max_steps: int | None = None,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int | None = None,
-        resume: str | os.PathLike[str] | None = None,
-        num_workers: int = 0,
-        progress: bool = True,
-        val: ValData | None = None,
-    ) -> dict[str, list[float]]:
-        """Train the decoder on ``data`` (see :func:`attr_engine.aha.trainer.fit` for every detail).
-
-        Without ``val``: ``epochs`` passes (default 1), at most ``max_steps`` steps. With ``val`` (held-out images:
-        a Dataset, a DataLoader or a (N, 3, H, W) tensor): scored every ``config.val_every`` steps by the hard
-        composite (insertion AUC - deletion AUC), training stops after ``config.patience`` scores without an
-        improvement of more than ``config.min_delta`` (capped at ``max_steps`` and ``epochs``, default 10) and the
-        decoder ends with the weights of its best score.
-
-        Returns:
-            History with per-step ``loss``, ``deletion``, ``insertion``, ``tau`` and ``lr``; with ``val`` also the
-            curve, one entry per score: ``val_step``, ``val_composite``, ``val_deletion``, ``val_insertion`` and
-            ``val_loss``.
-        """
-        return train_decoder(
-            self, data, epochs=epochs, batch_size=batch_size, max_steps=max_steps, checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every, resume=resume, num_workers=num_workers, progress=progress, val=val,
-        )  # fmt: skip
+    # Training: trainer.fit itself, so its options are declared once (a bound call passes this AHA as ``aha``).
+    fit = train_decoder
 
     # ------------------------------------------------------------------------------------------------------------
     # Persistence
@@ -277,6 +367,36 @@ class AHA(nn.Module, Explainer):
         (:func:`~attr_engine.aha.persistence.save_explainer`).
         """
         return save_explainer(self, path)
+
+    def export(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        format: str | None = None,
+        img_size: int | None = None,
+        class_names: Sequence[str] | None = None,
+    ) -> Path:
+        """Write this explainer and its classifier as one serving artifact at ``path`` (atomically).
+
+        ONNX (main format: ``torch.export``, then ``torch.onnx.export(dynamo=True)``; the ``export`` extra) or an
+        AOTInductor ``.pt2`` package (``format="pt2"`` or a ``.pt2`` suffix): inputs ``images`` (B, 3, H, W) float32
+        in [0, 1] and ``target`` (B,) int64 (-1: the predicted class), outputs ``logits`` (B, K) and ``maps``
+        (B, H, W), the maps of :meth:`attribute`; one input size, any batch; metadata inside (classifier
+        fingerprint, input size, mean / std, class names where known, settings digest, attr-engine version). See
+        :mod:`attr_engine.aha.export`.
+
+        Args:
+            img_size: the square side the artifact takes (default :attr:`img_size`).
+            class_names: one name per class for the metadata (default: the classifier's, where it knows them).
+
+        Raises:
+            ValueError: refinement (``refine_steps`` > 0: an optimiser per request has no graph), or a size the
+                classifier does not take, named in one line.
+            ImportError: ONNX without onnx / onnxscript installed.
+        """
+        from attr_engine.aha.export import export
+
+        return export(self, path, format=format, img_size=img_size, class_names=class_names)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], classifier: Classifier, *, trust_backbone: bool = False) -> AHA:

@@ -101,14 +101,45 @@ class FeatureBackbone(nn.Module):
             feats = [_as_map(f, self.model, x.shape[-2:]) for f in self._levels(z, self.indices)]
         return [f.float() for f in feats]
 
+    @property
+    def fuses_logits(self) -> bool:
+        """Whether :meth:`forward_with_logits` takes the logits from the same pass as the levels: a timm model
+        with ``forward_head``, any torchvision or transformers classifier; else it runs the model a second time."""
+        return self.source != "timm" or callable(getattr(self.model, "forward_head", None))
+
+    @torch.no_grad()
+    def forward_with_logits(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """x: (B, 3, H, W) in [0, 1] -> (the levels :meth:`forward` gives, bit for bit; (B, K) logits).
+
+        One pass of the model gives both where :attr:`fuses_logits` says so: timm's ``forward_intermediates`` with
+        the final features, then ``forward_head``; torchvision's own forward (whose stages the hooks read); the
+        transformers model's output with ``hidden_states``. This is the classifier's own network, so the logits are
+        its prediction (only when the backbone *is* the classifier's network: the caller checks that).
+        """
+        z = self._normalise(x)
+        if not self.fuses_logits:
+            return self(x), self.model(z)
+        if self.source == "timm":
+            final, feats = self.model.forward_intermediates(z, indices=self.indices, intermediates_only=False)  # type: ignore[operator]
+            logits = self.model.forward_head(final)  # type: ignore[operator]
+        else:
+            levels, logits = self._levels_and_logits(z, self.indices)
+            feats = [_as_map(f, self.model, x.shape[-2:]) for f in levels]
+        return [f.float() for f in feats], logits
+
     def _levels(self, z: torch.Tensor, indices: list[int]) -> list[torch.Tensor]:
         """The raw levels ``indices`` of a torchvision or transformers model for normalised ``z``."""
+        return self._levels_and_logits(z, indices)[0]
+
+    def _levels_and_logits(self, z: torch.Tensor, indices: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The raw levels ``indices`` of a torchvision or transformers model and its (B, K) logits, one pass."""
         if self.source == "torchvision":
             return _torchvision_levels(self.model, [self._nodes[i] for i in indices], z)
-        states = self.model.hidden_states(z)[1:]  # type: ignore[operator]  # HFImageClassifier's method
+        logits, states = self.model.logits_and_hidden_states(z)  # type: ignore[operator]  # HFImageClassifier's
+        states = states[1:]
         if any(not -len(states) <= i < len(states) for i in indices):
             raise ValueError(f"layers {indices} are not levels of {type(self.model).__name__} (it has {len(states)})")
-        return [states[i] for i in indices]
+        return [states[i] for i in indices], logits
 
     def _default_levels(self, side: int) -> list[int]:
         """Every stage of a CNN, four evenly spaced blocks of a transformer (torchvision / transformers)."""
@@ -116,7 +147,7 @@ class FeatureBackbone(nn.Module):
         probe = torch.zeros(1, 3, side, side, device=param.device, dtype=param.dtype)
         with torch.no_grad():
             if self.source == "torchvision":
-                levels = _torchvision_levels(self.model, self._nodes, probe)
+                levels = _torchvision_levels(self.model, self._nodes, probe)[0]
             else:
                 levels = list(self.model.hidden_states(probe)[1:])  # type: ignore[operator]
         if levels and all(f.ndim == 3 for f in levels):
@@ -160,8 +191,9 @@ def _torchvision_nodes(model: nn.Module) -> list[str]:
     raise ValueError(f"cannot find the feature stages of torchvision's {type(model).__name__}; set AHAConfig.backbone")
 
 
-def _stage_outputs(model: nn.Module, names: list[str], z: torch.Tensor) -> list[torch.Tensor]:
-    """The first output of each module ``names`` in one pass of ``model`` on ``z``, by hooks of this call only."""
+def _stage_outputs(model: nn.Module, names: list[str], z: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The first output of each module ``names`` in one pass of ``model`` on ``z``, by hooks of this call only, and
+    the model's own output (its logits) of that pass."""
     owner = threading.get_ident()
     captured: dict[str, torch.Tensor] = {}
 
@@ -177,14 +209,14 @@ def _stage_outputs(model: nn.Module, names: list[str], z: torch.Tensor) -> list[
     try:
         for name in dict.fromkeys(names):
             handles.append(model.get_submodule(name).register_forward_hook(hook(name)))
-        model(z)
+        logits = model(z)
     finally:
         for handle in handles:
             handle.remove()
     missing = [n for n in names if n not in captured]
     if missing:
         raise RuntimeError(f"{type(model).__name__}: the levels {missing} did not run in the forward pass")
-    return [captured[n] for n in names]
+    return [captured[n] for n in names], logits
 
 
 def _channels_last(model: nn.Module) -> bool:
@@ -194,12 +226,13 @@ def _channels_last(model: nn.Module) -> bool:
     return cls.__name__ == "SwinTransformer" and cls.__module__.startswith("torchvision.")
 
 
-def _torchvision_levels(model: nn.Module, names: list[str], z: torch.Tensor) -> list[torch.Tensor]:
-    """The outputs of the stages ``names`` of a torchvision classifier for ``z``, 4-D ones as (B, C, h, w)."""
-    levels = _stage_outputs(model, names, z)
+def _torchvision_levels(model: nn.Module, names: list[str], z: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The outputs of the stages ``names`` of a torchvision classifier for ``z``, 4-D ones as (B, C, h, w), and the
+    model's logits of the same pass."""
+    levels, logits = _stage_outputs(model, names, z)
     if _channels_last(model):
         levels = [f.permute(0, 3, 1, 2) if f.ndim == 4 else f for f in levels]
-    return levels
+    return levels, logits
 
 
 def _as_map(level: torch.Tensor, model: nn.Module, size: Sequence[int]) -> torch.Tensor:

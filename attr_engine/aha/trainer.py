@@ -76,30 +76,26 @@ def fit(
     the run lasts until the validation score has not improved by more than ``config.min_delta`` for
     ``config.patience`` scores in a row (one every ``config.val_every`` steps, one before the first step and one
     after the last), capped at ``max_steps`` and ``epochs`` passes (default :data:`VAL_EPOCHS_CAP` = 10); the decoder
-    then gets the weights of its best score back. The warm-up, the cosine decay and the temperature anneal span the
-    cap, so a run that stops early stops with the learning rate and ``tau`` above their final values.
+    then gets the weights of its best score back. The schedules span the cap (an early stop keeps lr and tau high).
 
     Args:
         data: a map-style Dataset of ``(image (3, H, W) in [0, 1], label, ...)`` items (label -1 = unknown), or a
             DataLoader yielding ``(images (B, 3, H, W), labels (B,), ...)`` batches (its own order is then used and
             resuming skips the batches already seen in the interrupted epoch).
-        epochs: passes over the data; max_steps: stop after this many optimiser steps in total.
-        batch_size: images per step and process (a Dataset only; also the images per validation batch).
+        epochs: passes over the data; max_steps: stop after this many optimiser steps in total; batch_size: images
+            per step and process (a Dataset only; also the images per validation batch).
         checkpoint_dir: where checkpoints go (written every ``checkpoint_every`` steps and at the end).
-        resume: a checkpoint directory to continue from (optimizer, schedule, RNG and data position included; with
-            ``val``, the curve, the best weights so far and the patience count too). The final checkpoint of a run
-            with ``val`` holds the restored best decoder: resumed with a larger cap, training continues from it.
-        num_workers: DataLoader workers for a Dataset.
-        progress: show a tqdm bar (rank 0 only), with the latest validation composite as ``val``.
-        val: held-out images scored by the hard composite, insertion AUC - deletion AUC
-            (:mod:`attr_engine.aha.validation`): a Dataset or DataLoader as ``data``, or images (N, 3, H, W) or a
-            tuple (images, labels, ...) of tensors. Under DDP each rank scores its share.
+        resume: a checkpoint directory to continue from (optimizer, schedule, RNG, data position; with ``val`` also
+            the curve, the best weights and the patience count; a finished ``val`` run resumes from its best).
+        num_workers: DataLoader workers for a Dataset; progress: a tqdm bar (rank 0), the latest val composite shown.
+        val: held-out images scored by the hard composite, insertion - deletion AUC (``aha.validation``): a Dataset
+            or DataLoader as ``data``, images (N, 3, H, W) or a tuple of tensors; DDP ranks share it.
 
     Returns:
         Per-step history: ``loss``, ``deletion``, ``insertion``, ``tau``, ``lr`` (this run's steps). With ``val``
-        also one entry per score, over the whole curve (a resumed run's included): ``val_step``,
-        ``val_composite``, ``val_deletion``, ``val_insertion``, ``val_loss`` (mean training loss since the previous
-        score; NaN before the first step). The curve is in the checkpoint's ``config.json`` under ``validation``.
+        also one entry per score over the whole curve (a resumed run's included; also in the checkpoint's
+        ``config.json`` under ``validation``): ``val_step``, ``val_composite``, ``val_deletion``, ``val_insertion``,
+        ``val_loss`` (mean training loss since the previous score; NaN before the first step).
 
     Raises:
         ValueError: a bad count, an empty or unusable ``val``, or a ``resume`` checkpoint of a run with a validation

@@ -7,11 +7,11 @@
 |---|---|---|
 | gradient, saliency, gradient-x-input, integrated-gradients | gradient baselines | Captum |
 | smoothgrad, occlusion | noise / perturbation baselines | Captum |
-| grad-cam | Grad-CAM: timm / torchvision CNN stages through Captum, timm ViT tokens here | Captum / here |
+| grad-cam | Grad-CAM: timm / torchvision CNN stages through Captum, ViT tokens here | Captum / here |
 | rise | RISE, masks on the device | here |
 | mda | MDA (Walker et al. 2025): a per-image greedy search driven by the perturbation curves | here |
 | attention-rollout | attention rollout (ViTs) | here |
-| legrad | LeGrad (Bousselham et al., ICCV 2025): gradients w.r.t. attention maps (timm ViTs) | here |
+| legrad | LeGrad (Bousselham et al., ICCV 2025): gradients w.r.t. attention maps (ViTs) | here |
 | deeplift, guided-grad-cam | DeepLift (Shrikumar et al. 2017); Guided Grad-CAM on the last CNN stage | Captum |
 | captum:<ClassName> | any ``captum.attr`` class, Captum's option names (:class:`CaptumMethod`) | Captum |
 | gradcam:<ClassName> | any pytorch-grad-cam CAM class (:class:`GradCamMethod`; the ``cam`` extra) | pytorch-grad-cam |
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from attr_engine.baselines.cam import GradCAM, has_cnn_stage, is_vit
+from attr_engine.baselines.cam import GradCAM, has_cnn_stage, is_vit, vit_layout
 from attr_engine.baselines.captum_any import CaptumMethod, captum_class
 from attr_engine.baselines.gradcam_any import GradCamMethod, gradcam_class
 from attr_engine.baselines.gradients import (
@@ -64,8 +64,9 @@ __all__ = [
 
 
 def _grad_cam_applies(model: nn.Module) -> bool:
-    """timm ViTs (their tokens), timm CNNs and torchvision CNNs (ResNet, VGG, ConvNeXt, ...: their last stage)."""
-    return is_vit(model) or has_cnn_stage(model)
+    """ViTs (timm, torchvision, transformers: their tokens), timm CNNs and torchvision CNNs (ResNet, VGG, ConvNeXt,
+    ...: their last stage)."""
+    return vit_layout(model) is not None or has_cnn_stage(model)
 
 
 register_explainer("gradient", Gradient, description="signed input gradient, channel mean")
@@ -77,14 +78,14 @@ register_explainer("occlusion", Occlusion, description="sliding-window occlusion
 register_explainer(
     "grad-cam",
     GradCAM,
-    description="Grad-CAM, timm / torchvision CNN stages or timm ViT tokens",
+    description="Grad-CAM, timm / torchvision CNN stages or ViT tokens",
     applies=_grad_cam_applies,
 )
 register_explainer("rise", RISE, description="RISE random masks")
 register_explainer("mda", MDA, description="MDA metric-driven attribution, a per-image search (slow)")
 register_explainer("attention-rollout", AttentionRollout, description="attention rollout, timm ViTs", applies=is_vit)
 register_explainer(
-    "legrad", LeGrad, description="LeGrad, gradients w.r.t. attention maps, timm ViTs", applies=legrad_applies
+    "legrad", LeGrad, description="LeGrad, gradients w.r.t. attention maps, ViTs", applies=legrad_applies
 )
 register_explainer(
     "deeplift",

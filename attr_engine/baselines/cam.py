@@ -4,10 +4,10 @@ CNNs: Captum's ``LayerGradCam`` on the last feature stage (timm's ``feature_info
 upsampling to the input size. ViTs: Captum's layer methods expect a (B, C, h, w) layer output, so the token case is
 done here, on the tokens *entering* the last block (in a class-token ViT only the class token of the last block's
 output reaches the head, so its patch tokens have zero gradient; the common choice, as in pytorch-grad-cam, is the
-last block's input side). The patch tokens - the model's ``num_prefix_tokens`` (class / distillation / register
-tokens) dropped - are weighted by their mean gradient per channel, summed over channels, passed through a ReLU and
-laid out on the patch grid timm reports (``patch_embed.dynamic_feat_size`` for dynamic-size models, else
-``patch_embed.grid_size``), then upsampled bilinearly.
+last block's input side). The patch tokens - the prefix tokens (class / distillation / register) dropped - are laid
+out on the patch grid, weighted by their mean gradient per channel, summed over channels, passed through a ReLU and
+upsampled bilinearly. timm, torchvision and transformers ViTs are read alike, through
+:func:`~attr_engine.baselines._vit.vit_layout` (blocks, prefix tokens, grid).
 
 The last CNN stage (:func:`cnn_stage`) is timm's ``feature_info[-1]``, or for torchvision classifiers (found by their
 structure: attr-engine never imports torchvision) ResNet's ``layer4``, the last stage of ``features`` (ConvNeXt,
@@ -26,19 +26,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from attr_engine.baselines._captum import import_captum
+from attr_engine.baselines._vit import is_vit, token_grid, vit_layout
 from attr_engine.explainer import Explainer
 from attr_engine.model_sources import is_torchvision_vit
 
-__all__ = ["GradCAM", "cnn_stage", "find_layer", "has_cnn_stage", "is_torchvision_vit", "is_vit", "layer_name"]
-
-
-def is_vit(model: nn.Module) -> bool:
-    """Whether ``model`` is a timm ViT-style model: a sequence of blocks over patch tokens from ``patch_embed``."""
-    return (
-        isinstance(getattr(model, "blocks", None), nn.Sequential | nn.ModuleList)
-        and hasattr(model, "patch_embed")
-        and hasattr(model, "num_prefix_tokens")
-    )
+__all__ = [
+    "GradCAM",
+    "cnn_stage",
+    "find_layer",
+    "has_cnn_stage",
+    "is_torchvision_vit",
+    "is_vit",
+    "layer_name",
+    "token_grid",
+    "vit_layout",
+]
 
 
 def find_layer(classifier: nn.Module, name: str) -> nn.Module:
@@ -60,16 +62,6 @@ def layer_name(classifier: nn.Module, layer: nn.Module) -> str:
             if module is layer:
                 return name
     raise ValueError(f"layer {type(layer).__name__} is not a module of the explained classifier")
-
-
-def token_grid(model: nn.Module, height: int, width: int) -> tuple[int, int]:
-    """The (rows, cols) patch grid of a timm ViT for an input of ``height`` x ``width``."""
-    embed: Any = model.patch_embed  # timm's PatchEmbed (grid_size, dynamic_feat_size): not declared on nn.Module
-    if getattr(model, "dynamic_img_size", False) and hasattr(embed, "dynamic_feat_size"):
-        rows, cols = embed.dynamic_feat_size((height, width))
-    else:
-        rows, cols = embed.grid_size
-    return int(rows), int(cols)
 
 
 # Layers a flat ``features`` list (torchvision VGG, AlexNet) is made of; a ``features`` of stages has other modules.
@@ -107,7 +99,7 @@ def _timm_cnn_stage(model: nn.Module) -> nn.Module | None:
 
 def has_cnn_stage(model: nn.Module) -> bool:
     """Whether :func:`cnn_stage` finds a last CNN stage in ``model`` (a timm CNN or a torchvision one)."""
-    return not is_vit(model) and (_timm_cnn_stage(model) or _torchvision_cnn_stage(model)) is not None
+    return vit_layout(model) is None and (_timm_cnn_stage(model) or _torchvision_cnn_stage(model)) is not None
 
 
 def cnn_stage(model: nn.Module) -> nn.Module:
@@ -131,8 +123,9 @@ class GradCAM(Explainer):
     """Grad-CAM maps, upsampled to the input.
 
     Args:
-        classifier: a :class:`~attr_engine.classifier.Classifier` around a timm CNN or ViT or a torchvision CNN
-            (ResNet, VGG, ConvNeXt, ...: :func:`cnn_stage`).
+        classifier: a :class:`~attr_engine.classifier.Classifier` around a timm CNN, a torchvision CNN (ResNet,
+            VGG, ConvNeXt, ...: :func:`cnn_stage`) or a timm, torchvision or transformers ViT
+            (:func:`~attr_engine.baselines._vit.vit_layout`).
         layer: the module to take activations from; None picks the last CNN stage, or for ViTs the last block
             (whose input tokens are used). Any other layer goes to Captum's ``LayerGradCam``, which expects a
             (B, C, h, w) output.
@@ -142,18 +135,18 @@ class GradCAM(Explainer):
 
     def __init__(self, classifier: nn.Module, *, layer: nn.Module | str | None = None) -> None:
         super().__init__(classifier)
-        # Duck-typed timm model (blocks, num_prefix_tokens, patch_embed): attributes nn.Module does not declare.
-        model: Any = getattr(classifier, "model", classifier)
+        model = getattr(classifier, "model", classifier)
         if isinstance(layer, str):
             layer = find_layer(classifier, layer)
-        self.tokens = is_vit(model) and (layer is None or layer is model.blocks[-1])
-        self.layer = layer if layer is not None else (model.blocks[-1] if self.tokens else cnn_stage(model))
+        layout = vit_layout(model)
+        self.tokens = layout is not None and (layer is None or layer is layout.blocks[-1])
+        if layer is None:
+            layer = layout.blocks[-1] if layout is not None else cnn_stage(model)
+        self.layer = layer
         self._layer_name = layer_name(classifier, self.layer)
-        self._model: Any = model
 
     def _bind(self) -> None:
         # The same layer, by name, in the new classifier (e.g. Quantus' copy with randomised weights).
-        self._model = getattr(self.classifier, "model", self.classifier)
         self.layer = find_layer(self.classifier, self._layer_name)
 
     def _attribute(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -166,6 +159,7 @@ class GradCAM(Explainer):
         return F.interpolate(cam.float(), size=x.shape[-2:], mode="bilinear", align_corners=False).squeeze(1)
 
     def _token_cam(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        layout: Any = vit_layout(getattr(self.classifier, "model", self.classifier))  # a ViT: self.tokens says so
         captured: list[torch.Tensor] = []
         handle = self.layer.register_forward_hook(lambda _m, inputs, _out: captured.append(inputs[0]))
         try:
@@ -176,11 +170,7 @@ class GradCAM(Explainer):
             raise RuntimeError(f"expected one (B, N, D) token input to the last block, got {len(captured)} calls")
         tokens = captured[0]
         (grads,) = torch.autograd.grad(logits.gather(1, target[:, None]).sum(), tokens)
-        prefix = int(self._model.num_prefix_tokens)
-        tokens, grads = tokens[:, prefix:], grads[:, prefix:]
-        rows, cols = token_grid(self._model, *x.shape[-2:])
-        if tokens.shape[1] != rows * cols:
-            raise RuntimeError(f"{tokens.shape[1]} patch tokens do not fill the {rows} x {cols} grid timm reports")
-        weights = grads.mean(dim=1, keepdim=True)  # (B, 1, D): global-average-pooled gradient per channel
-        cam = (tokens * weights).sum(dim=-1).relu()
-        return cam.view(-1, 1, rows, cols).detach()
+        cells = layout.reshape(*x.shape[-2:])  # (B, D, rows, cols), the prefix tokens dropped
+        tokens, grads = cells(tokens), cells(grads)
+        weights = grads.mean(dim=(2, 3), keepdim=True)  # (B, D, 1, 1): global-average-pooled gradient per channel
+        return (tokens * weights).sum(dim=1, keepdim=True).relu().detach()

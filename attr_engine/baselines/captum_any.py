@@ -248,8 +248,10 @@ class CaptumMethod(Explainer):
             (attr,) = attr
         if not self.per_channel:
             if attr.ndim != 4:
-                raise RuntimeError(
-                    f"{self.name} gave a layer attribution of shape {tuple(attr.shape)}, not (B, C, h, w)"
+                # The layer the user chose (option layer=...) is not a spatial one: theirs to change.
+                raise ValueError(
+                    f"{self.name} gave a layer attribution of shape {tuple(attr.shape)}, not (B, C, h, w): choose a "
+                    "convolutional layer or stage with the option layer=NAME"
                 )
             cam = reduce_channels(attr, "sum")[:, None].float()
             attr = F.interpolate(cam, size=x.shape[-2:], mode="bilinear", align_corners=False)[:, 0]

@@ -14,21 +14,19 @@ they are given), and whose layers stay findable under ``.model``.
 
 Layers: ``layer`` is a module or its name in the model (``"layer4"``, ``"blocks.1.norm1"``); by default the last
 CNN stage (:func:`~attr_engine.baselines.cam.cnn_stage`: timm ``feature_info[-1]``, torchvision ``layer4`` /
-``features``), for a timm ViT ``blocks[-1].norm1`` and for a torchvision ViT ``encoder.layers[-1].ln_1`` (the
-layers pytorch-grad-cam's documentation uses for ViTs). A ViT layer's (B, N, D) tokens are reshaped to (B, D, h, w)
-on the patch grid, its prefix tokens (class, distillation, register) dropped; (B, C, h, w) outputs pass unchanged.
+``features``), for a ViT its last block's first LayerNorm: timm ``blocks[-1].norm1``, torchvision
+``encoder.layers[-1].ln_1``, transformers ``vit.layers[-1].layernorm_before`` (the layer pytorch-grad-cam's
+documentation uses for ViTs; :func:`~attr_engine.baselines._vit.vit_layout`). A ViT layer's (B, N, D) tokens are
+reshaped to (B, D, h, w) on the patch grid, its prefix tokens (class, distillation, register) dropped; (B, C, h, w)
+outputs pass unchanged.
 
 Options: the class's constructor arguments beyond model / layers / reshape (``batch_size`` and
 ``ratio_channels_to_ablate`` of AblationCAM, ``k`` of FEM, ``kernel`` / ``gamma`` of KPCA_CAM), ScoreCAM's
 ``batch_size`` (an attribute the library reads, default 16), and the call's ``aug_smooth`` / ``eigen_smooth``.
 
-Normalisation: the maps are returned as the library computes them - ReLU, each map min-max scaled to [0, 1] on the
-layer's grid, then resized to the input with OpenCV's bilinear ``cv2.resize`` - so ``gradcam:GradCAM`` equals
-``pytorch_grad_cam.GradCAM`` exactly. The scale is the library's: the per-layer rescale happens inside its call,
-before its multi-layer aggregation, so undoing it would mean re-implementing the library rather than wrapping it.
-A map whose ReLU leaves nothing (or a 1 x 1 layer grid) is all zeros. Pixel-ranking metrics do not see the
-rescale; anything comparing magnitudes across images should use the project's ``grad-cam``, which does not rescale.
-The library computes on the host in NumPy: on a GPU every call copies the layer's activations and gradients back.
+Normalisation: the library's own (ReLU, min-max to [0, 1] per map on the layer's grid inside its call, OpenCV's
+bilinear resize), so ``gradcam:GradCAM`` equals ``pytorch_grad_cam.GradCAM`` exactly; to compare magnitudes across
+images use the project's ``grad-cam``. A map whose ReLU leaves nothing (or a 1 x 1 grid) is all zeros.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ import torch
 from torch import nn
 
 from attr_engine.baselines._grad_cam import import_grad_cam
-from attr_engine.baselines.cam import cnn_stage, find_layer, is_torchvision_vit, is_vit, layer_name, token_grid
+from attr_engine.baselines.cam import cnn_stage, find_layer, layer_name, vit_layout
 from attr_engine.explainer import Explainer
 
 __all__ = ["GradCamMethod", "cam_layer", "gradcam_class", "token_reshape"]
@@ -54,6 +52,11 @@ _SUPPLIED = {"self", "model", "target_layers", "reshape_transform"}
 _CALL_OPTIONS: dict[str, Any] = {"aug_smooth": False, "eigen_smooth": False}
 # ScoreCAM reads ``self.batch_size`` if set (16 otherwise): an option here, as AblationCAM's constructor has one.
 _SCORECAM_BATCH = 16
+# Options whose documented range the library does not check: (low, high, as the docs write it); low excluded.
+_DOCUMENTED_RANGES = {
+    "ratio_channels_to_ablate": (0.0, 1.0, "(0, 1] (the fraction of the layer's channels AblationCAM ablates)"),
+    "k": (0.0, float("inf"), "(0, inf) (FEM's multiple of the standard deviation)"),
+}
 
 
 def gradcam_class(name: str) -> type[Any]:
@@ -73,38 +76,18 @@ def gradcam_class(name: str) -> type[Any]:
 
 
 def cam_layer(model: nn.Module) -> nn.Module:
-    """The default target layer of ``model``: a timm ViT's ``blocks[-1].norm1``, a torchvision ViT's
-    ``encoder.layers[-1].ln_1``, else the last CNN stage (:func:`~attr_engine.baselines.cam.cnn_stage`)."""
-    vit: Any = model  # duck-typed timm / torchvision ViT: attributes nn.Module does not declare
-    if is_vit(model) and hasattr(vit.blocks[-1], "norm1"):
-        return vit.blocks[-1].norm1
-    if is_torchvision_vit(model):
-        return vit.encoder.layers[-1].ln_1
-    return cnn_stage(model)
+    """The default target layer of ``model``: a ViT's last block's first LayerNorm (timm ``blocks[-1].norm1``,
+    torchvision ``encoder.layers[-1].ln_1``, transformers ``layers[-1].layernorm_before``), else the last CNN stage
+    (:func:`~attr_engine.baselines.cam.cnn_stage`)."""
+    layout = vit_layout(model)
+    return layout.cam_layer if layout is not None else cnn_stage(model)
 
 
 def token_reshape(model: nn.Module, height: int, width: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The library's ``reshape_transform`` for a ViT on ``height`` x ``width`` images (None for other models):
     (B, P + h * w, D) tokens -> (B, D, h, w), the P prefix tokens dropped; (B, C, h, w) tensors pass unchanged."""
-    vit: Any = model
-    if is_vit(model):
-        prefix = int(vit.num_prefix_tokens)
-        rows, cols = token_grid(model, height, width)
-    elif is_torchvision_vit(model):
-        prefix, patch = 1, int(vit.patch_size)
-        rows, cols = height // patch, width // patch
-    else:
-        return None
-
-    def reshape(tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.ndim != 3:
-            return tokens
-        batch, count, dim = tokens.shape
-        if count != prefix + rows * cols:
-            raise RuntimeError(f"{count} tokens are not {prefix} prefix tokens and a {rows} x {cols} patch grid")
-        return tokens[:, prefix:].reshape(batch, rows, cols, dim).permute(0, 3, 1, 2)
-
-    return reshape
+    layout = vit_layout(model)
+    return layout.reshape(height, width) if layout is not None else None
 
 
 def _init_types(cls: type[Any]) -> dict[str, Any]:
@@ -149,6 +132,7 @@ class GradCamMethod(Explainer):
         model = getattr(classifier, "model", classifier)
         module = find_layer(classifier, layer) if isinstance(layer, str) else layer
         self._layer_name = layer_name(classifier, module if module is not None else cam_layer(model))
+        self._check_constructor()
 
     def _check_options(self, options: dict[str, Any]) -> None:
         missing = [k for k, v in options.items() if v is inspect.Parameter.empty]
@@ -157,6 +141,25 @@ class GradCamMethod(Explainer):
         size = options.get("batch_size")  # an int (or None) by now: its type was checked with the others
         if isinstance(size, int) and size < 1:
             raise ValueError(f"{self.name} option 'batch_size' must be at least 1, got {size}")
+        # The documented ranges the library's constructors leave unchecked (out of range they run, with NumPy
+        # warnings and meaningless maps).
+        for key, (low, high, shown) in _DOCUMENTED_RANGES.items():
+            value = options.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool) and not low < value <= high:
+                raise ValueError(f"{self.name} option {key!r} must be in {shown}, got {value!r}")
+
+    def _check_constructor(self) -> None:
+        """Build the library's object once with the options, so that its own argument checks (SESS's ``pool``,
+        ``num_scales``, ...) refuse a bad value when the method is built, not at its first map; its hooks come off
+        at once."""
+        try:
+            cam = self.cam_cls(model=self.classifier, target_layers=[self.layer], **self._init_options(self.defaults,
+                               vit=False))  # fmt: skip
+        except (TypeError, AssertionError) as err:
+            raise ValueError(f"{self.name}: {err}") from None
+        hooks = getattr(cam, "activations_and_grads", None)
+        if hooks is not None:
+            hooks.release()
 
     @property
     def layer(self) -> nn.Module:

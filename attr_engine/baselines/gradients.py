@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from attr_engine.baselines._captum import import_captum
+from attr_engine.classifier import images_per_call
 from attr_engine.explainer import Explainer
 from kernels._validate import check_int, check_int_at_least, check_positive
 
@@ -98,6 +99,11 @@ class IntegratedGradients(Explainer):
     ``internal_batch_size`` (path points per classifier call; None evaluates all at once), and per call
     ``baselines`` (default ``"black"``, the paper's) and ``return_convergence_delta``. ``baseline=`` at
     construction is the older spelling of ``baselines=``.
+
+    ``internal_batch_size="auto"`` (the default) sizes the classifier calls from the image size: on a CPU at most
+    :func:`~attr_engine.classifier.images_per_call` images a call (the images themselves split into groups where
+    the batch alone exceeds it), so host memory stays bounded at any image size; on an accelerator 256. Each
+    image's path is its own, so the grouping changes how the work is split, not the maps (up to float rounding).
     """
 
     name = "integrated-gradients"
@@ -105,7 +111,8 @@ class IntegratedGradients(Explainer):
     infidelity_per_channel = True
     multiplies_by_inputs = True
     display_reduce = "sum"
-    options: ClassVar[dict[str, Any]] = {"n_steps": 32, "method": "gausslegendre", "internal_batch_size": 256}
+    options: ClassVar[dict[str, Any]] = {"n_steps": 32, "method": "gausslegendre", "internal_batch_size": "auto"}
+    option_types: ClassVar[dict[str, Any]] = {"internal_batch_size": int | str | None}
     takes_baselines = True
     default_baselines = "black"
     has_convergence_delta = True
@@ -115,7 +122,12 @@ class IntegratedGradients(Explainer):
 
     def _check_options(self, options: dict[str, Any]) -> None:
         _check_int_option(options, "n_steps", 1)
-        _check_int_option(options, "internal_batch_size", 1, optional=True)
+        size = options["internal_batch_size"]
+        if isinstance(size, str):
+            if size != "auto":
+                raise ValueError(f"internal_batch_size must be an integer >= 1, None or 'auto', got {size!r}")
+        else:
+            _check_int_option(options, "internal_batch_size", 1, optional=True)
 
     def _attribute(
         self,
@@ -125,21 +137,44 @@ class IntegratedGradients(Explainer):
         baselines: torch.Tensor | float,
         n_steps: int,
         method: str,
-        internal_batch_size: int | None,
+        internal_batch_size: int | str | None,
         return_convergence_delta: bool = False,
     ) -> Any:
         ig = import_captum().IntegratedGradients(self.classifier)
-        # Captum splits n_steps * B path points into chunks; a chunk below B would split one image's path points.
-        chunk = None if internal_batch_size is None else max(internal_batch_size, x.shape[0])
-        return ig.attribute(
-            _leaf(x),
-            baselines=baselines,
-            target=target,
-            n_steps=n_steps,
-            method=method,
-            internal_batch_size=chunk,
-            return_convergence_delta=return_convergence_delta,
-        )
+        group = x.shape[0]
+        per_call: int | None
+        if isinstance(internal_batch_size, str):  # "auto": _check_options lets no other string through
+            limit = images_per_call(x.shape[-2], x.shape[-1], x.device)
+            per_call = _AUTO_ACCELERATOR_BATCH if limit is None else limit
+            group = min(group, per_call)
+        else:
+            per_call = internal_batch_size
+        results = []
+        for start in range(0, x.shape[0], group):
+            rows = slice(start, start + group)
+            part = baselines[rows] if isinstance(baselines, torch.Tensor) and baselines.shape[0] > 1 else baselines
+            # Captum splits n_steps * B path points into chunks; a chunk below B would split one image's path points.
+            chunk = None if per_call is None else max(per_call, x[rows].shape[0])
+            results.append(
+                ig.attribute(
+                    _leaf(x[rows]),
+                    baselines=part,
+                    target=target[rows],
+                    n_steps=n_steps,
+                    method=method,
+                    internal_batch_size=chunk,
+                    return_convergence_delta=return_convergence_delta,
+                )
+            )
+        if len(results) == 1:
+            return results[0]
+        if return_convergence_delta:
+            return torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
+        return torch.cat(results)
+
+
+# internal_batch_size="auto" off the CPU: the former fixed default, whose speed on a GPU needs no new evidence.
+_AUTO_ACCELERATOR_BATCH = 256
 
 
 def image_seeds(x: torch.Tensor, seed: int) -> list[int]:

@@ -24,19 +24,10 @@ step of the curves. A prior map (Bi-Attn in the paper) only orders the candidate
    (``(1 - gamma) sparse + gamma dense``) and ``smooth`` resamples the cell map bilinearly (antialiased) down to the
    grid and back up, as the official ``MDA()`` returns it.
 
-The insertion substrate is the official one: a Gaussian blur in normalised space with zero padding, whose kernel
-(size = sigma = 31, 33, ..., 103 px, the 2-D kernel of ``scipy.ndimage.gaussian_filter`` applied to a delta with
-reflection, as ``MASTestFunctions.gkern`` builds it) is the first that brings the target's probability to 1 % or
-less (the last one otherwise). In [0, 1] pixels that is ``mean + conv(x - mean)``.
-
-MDA needs nothing of a ViT but its token grid (for the default ``grid``): every step is a forward pass of perturbed
-images, so it applies to any classifier; without a token grid the default is 7 x 7 (ViT-B/32's). Each image costs
-about ``N * window`` forward passes for the two searches plus ``2 H + 40`` for the curves and the blur (5,500 at
-ViT-B/16's 14 x 14 grid): the "slow optimum" the AHA paper times at 13 s per image. Everything runs batched over
-the images on their device: each greedy step classifies every image's candidates together, ``batch_size`` images
-per call, and the curves go through the metrics' curve engine
-(:func:`~attr_engine.metrics._curves.perturbation_curve`). The differences from the official code are listed in
-docs/deviations.md ("MDA").
+The insertion substrate is the official blur of the image (the first of a series of Gaussian kernels that brings
+the target's probability to 1 % or less). MDA needs nothing of a ViT but its token grid (default 7 x 7 without one);
+every step is a batched forward pass of perturbed images, about ``N * window + 2 H + 40`` per image. Details of the
+substrate and the cost: docs/mda.md; differences from the official code: docs/deviations.md ("MDA").
 """
 
 from __future__ import annotations
@@ -723,14 +714,18 @@ class MDA(Explainer):
         options["prior"] = resolve_explainer(prior) if ":" not in prior else prior
         if options["prior"] == self.name:
             raise ValueError("MDA's prior cannot be MDA itself")
+        # Built now, so a prior that does not apply to this model (legrad on a CNN) is refused with the options,
+        # when the method is built, not at its first map.
+        self.prior_explainer(options["prior"])
 
-    def _prior(self, name: str) -> Explainer:
+    def prior_explainer(self, name: str) -> Explainer:
+        """The prior method ``name`` for this classifier, built once."""
         if name not in self._priors:
             self._priors[name] = get_explainer(name, self.classifier)
         return self._priors[name]
 
     def _needs_grad(self, options: Any) -> bool:
-        prior = self._prior(options["prior"])
+        prior = self.prior_explainer(options["prior"])
         return prior._needs_grad(prior.defaults)
 
     def _attribute(self, x: torch.Tensor, target: torch.Tensor, **options: Any) -> torch.Tensor:
@@ -741,6 +736,6 @@ class MDA(Explainer):
             raise ValueError(f"grid {options['grid']} has more cells per side than the {height} x {width} image")
         cells = grid[0] * grid[1]
         window = search_window(cells) if options["window"] is None else min(options["window"], cells)
-        prior_map = self._prior(options["prior"]).attribute(x, target)
+        prior_map = self.prior_explainer(options["prior"]).attribute(x, target)
         with torch.no_grad():
             return _mda_maps(_check_classifier(self.classifier), x, target, prior_map, grid, window, options)

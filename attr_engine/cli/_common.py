@@ -23,8 +23,13 @@ __all__ = [
     "SMALL_MODELS",
     "UsageError",
     "add_classifier_args",
+    "add_cost_arg",
     "add_device_arg",
     "build_explainer",
+    "check_cost",
+    "check_device_runs",
+    "check_input_side",
+    "check_model_flags",
     "check_writable_dir",
     "config_defaults",
     "load_classifier_args",
@@ -48,14 +53,14 @@ class UsageError(Exception):
     """A mistake the user can fix (bad flag value, missing file, unknown name): reported as one line, no traceback."""
 
 
-# The exit-status rule (see attr_engine.cli): an error before the command starts its work is the user's setting
-# (status 2), one after it a failure while running (status 1). Each command calls work_started() once its
-# settings, inputs and outputs are checked; main() resets the flag before every command.
+# Whether the command has started its work (see attr_engine.cli): an error the user can fix exits 2 either way, but
+# one raised after the work started says that the outputs finished so far are kept. Each command calls
+# work_started() once its settings, inputs and outputs are checked; main() resets the flag before every command.
 _PHASE = {"working": False}
 
 
 def work_started() -> None:
-    """Mark the end of a command's set-up: from here on an error is a failure while running (exit status 1)."""
+    """Mark the end of a command's set-up: from here on outputs may exist that a failure leaves in place."""
     _PHASE["working"] = True
 
 
@@ -173,12 +178,30 @@ def add_device_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device of ``--device``, refused in one line unless this machine can run a model on it."""
     from attr_engine.distributed import local_device
 
     try:
-        return local_device(name)
+        device = local_device(name)
     except ValueError as err:
         raise UsageError(str(err)) from None
+    check_device_runs(device)
+    return device
+
+
+def check_device_runs(device: torch.device) -> None:
+    """Refuse a device torch knows but cannot compute on here: ``meta`` (tensors without values), or a backend
+    (``mps``, ``xpu``, ...) this machine does not have."""
+    import torch
+
+    if device.type in ("cpu", "cuda"):
+        return  # local_device checked that a CUDA device exists
+    if device.type == "meta":
+        raise UsageError("--device meta cannot run a model: meta tensors hold no values; use auto, cpu or cuda")
+    backend = getattr(torch, device.type, None) or getattr(torch.backends, device.type, None)
+    available = getattr(backend, "is_available", None)
+    if not (callable(available) and available()):
+        raise UsageError(f"--device {device}: this machine has no {device.type} backend; use auto, cpu or cuda")
 
 
 def add_classifier_args(parser: argparse.ArgumentParser) -> None:
@@ -216,14 +239,106 @@ def load_classifier_args(
             raise UsageError("--pretrained and --classifier exclude each other (the checkpoint holds the weights)")
     if args.model in SMALL_MODELS:
         raise UsageError(f"{args.model!r} is a train-classifier preset; pass the checkpoint it wrote with --classifier")
+    check_model_flags(args.num_classes, img_size)
+    if args.model is not None and is_hub_name(args.model):
+        hub_reachable_or_offline()  # offline: a cached config loads, a missing one fails at once, not after retries
     job = AttributionJob(
         classifier=args.classifier, model=args.model, pretrained=args.pretrained, num_classes=args.num_classes,
         img_size=img_size, seed=seed,
     )  # fmt: skip
     try:
-        return build_classifier(job, device)
+        classifier = build_classifier(job, device)
     except FileNotFoundError as err:
-        raise UsageError(str(err)) from None
+        hub = args.model is not None and is_hub_name(args.model)
+        raise UsageError(f"cannot load {args.model!r} from the hub: {err}" if hub else str(err)) from None
+    check_input_side(classifier, img_size or (classifier.input_size[1] if classifier.input_size else 224))
+    return classifier
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bounds: what a flag or an option may ask of the machine, checked before any work (issue #34)
+# ---------------------------------------------------------------------------------------------------------------
+
+# A classification head of this many classes is 400 MB at 1024 features; ImageNet-21k has 21,843 classes.
+MAX_NUM_CLASSES = 100_000
+# Below this side a model is tried once on a blank image before any work: a kernel or patch larger than the image
+# fails there, in one line, instead of at the first map. Above it every model we know of takes the image.
+PROBE_BELOW = 64
+# The budget per image of --max-cost: classifier passes (a forward, or a forward and a backward) per image. RISE at
+# its default 2000 masks and MDA on a 14 x 14 grid fit; Integrated Gradients at n_steps=10**8 does not.
+MAX_PASSES_PER_IMAGE = 20_000
+# Pixels in one classifier call of a method's internal batch (internal_batch_size=256 at 512 px): more is refused
+# with the same budget, as a batch that no machine we run on holds in memory.
+MAX_PIXELS_PER_CALL = 256 * 512 * 512
+
+
+def check_model_flags(num_classes: int | None, img_size: int | None) -> None:
+    """``--num-classes`` and ``--img-size`` within their bounds, before the model is built or an image resized."""
+    from attr_engine.classifier import MAX_FILE_IMG_SIZE  # the bound a checkpoint's img_size has too
+
+    if num_classes is not None and not 1 <= num_classes <= MAX_NUM_CLASSES:
+        raise UsageError(f"--num-classes must be between 1 and {MAX_NUM_CLASSES:,}, got {num_classes:,}")
+    if img_size is not None and not 1 <= img_size <= MAX_FILE_IMG_SIZE:
+        raise UsageError(f"--img-size must be between 1 and {MAX_FILE_IMG_SIZE} px, got {img_size:,}")
+
+
+def check_input_side(classifier: Classifier, side: int) -> None:
+    """Refuse an input side the model cannot take (a conv kernel or ViT patch larger than the image), tried once on
+    a blank (1, 3, side, side) image for small sides (:data:`PROBE_BELOW`)."""
+    import torch
+
+    from attr_engine.classifier import eval_mode
+
+    if side >= PROBE_BELOW:
+        return
+    model = getattr(classifier, "model", classifier)
+    patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+    patch_side = max(patch) if isinstance(patch, tuple | list) else patch
+    if isinstance(patch_side, int) and side < patch_side:
+        raise UsageError(f"--img-size {side} is smaller than the model's {patch_side} px patches")
+    probe = torch.zeros(1, 3, side, side, device=classifier.norm_mean.device)
+    try:
+        with torch.no_grad(), eval_mode(classifier):
+            classifier(probe)
+    except (RuntimeError, ValueError, AssertionError) as err:
+        reason = " ".join(str(err).split())[:200]
+        raise UsageError(f"--img-size {side} is too small for this model ({reason})") from None
+
+
+def add_cost_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-cost",
+        type=float,
+        default=MAX_PASSES_PER_IMAGE,
+        metavar="PASSES",
+        help=f"refuse a method whose options ask more than this many classifier passes per image (n_steps, "
+        f"n_samples, n_masks, occlusion windows, MDA's grid; default {MAX_PASSES_PER_IMAGE:,}) or an internal batch "
+        f"of more than {MAX_PIXELS_PER_CALL:,} pixels per call; 0 lifts both bounds",
+    )
+
+
+def check_cost(explainer: Any, side: int, max_cost: float, method: str) -> None:
+    """Refuse, before any work, a method whose options ask more than ``max_cost`` classifier passes per image or
+    an internal batch over :data:`MAX_PIXELS_PER_CALL` pixels (:func:`attr_engine.baselines.cost.method_cost`)."""
+    from attr_engine.baselines.cost import method_cost
+
+    if max_cost == 0 or max_cost == float("inf"):
+        return
+    if not max_cost > 0:
+        raise UsageError(f"--max-cost must be > 0 (0: no bound), got {max_cost}")
+    cost = method_cost(explainer, side, side)
+    if cost.passes > max_cost:
+        raise UsageError(
+            f"{method}: {cost.passes_from} means about {cost.passes:,} classifier passes per image, over the budget "
+            f"of {max_cost:,.0f} (--max-cost); lower it, or pass --max-cost {cost.passes} (0: no bound) to run it"
+        )
+    pixels = cost.batch * side * side
+    if pixels > MAX_PIXELS_PER_CALL:
+        fits = max(1, MAX_PIXELS_PER_CALL // (side * side))
+        raise UsageError(
+            f"{method}: {cost.batch_from} puts {pixels:,} pixels in one classifier call at {side} px, over the "
+            f"bound of {MAX_PIXELS_PER_CALL:,}; lower it to {fits} or less, or pass --max-cost 0 to run it"
+        )
 
 
 def hub_reachable_or_offline(timeout: float = 3.0) -> bool:
@@ -231,6 +346,17 @@ def hub_reachable_or_offline(timeout: float = 3.0) -> bool:
     from attr_engine.jobs import hub_reachable_or_offline as probe
 
     return probe(timeout)
+
+
+def is_hub_name(name: str) -> bool:
+    """Whether building ``name`` reads from the Hugging Face hub even without pretrained weights (its config): a
+    transformers ``hf:org/repo`` (not a local directory) or timm's ``hf-hub:org/repo``."""
+    from attr_engine.model_sources import split_source
+
+    source, ident = split_source(name)
+    if source == "hf":
+        return not Path(ident).is_dir()
+    return name.startswith("hf-hub:") or name.startswith("hf_hub:")
 
 
 def open_classifier(name: str, **kwargs: Any) -> Classifier:

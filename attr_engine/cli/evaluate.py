@@ -14,6 +14,7 @@ from attr_engine.cli._common import (
     add_classifier_args,
     add_device_arg,
     build_explainer,
+    check_cost,
     check_writable_dir,
     load_classifier_args,
     resolve_device,
@@ -168,21 +169,25 @@ def run_leaderboard(
     progress: bool = True,
     **kwargs: Any,
 ) -> Any:
-    """:func:`attr_engine.evaluate.evaluate` with a progress bar over the methods."""
+    """:func:`attr_engine.evaluate.evaluate` with a progress bar over its steps (each method's maps, then each
+    metric), the step running named beside it: a slow metric shows which it is (a cost warning precedes it)."""
     from tqdm.auto import tqdm
 
     from attr_engine.evaluate import evaluate
 
-    names = list(methods)
-    with tqdm(total=len(names), desc="evaluate", unit="method", disable=not progress, dynamic_ncols=True) as bar:
-        bar.set_postfix_str(names[0])
+    total = len(methods) * (1 + len(metrics))
+    with tqdm(total=total, desc="evaluate", unit="step", disable=not progress, dynamic_ncols=True) as bar:
+        started = [0]  # steps begun: each one begun after the first means the one before it is done
 
-        def log(line: str) -> None:
-            bar.update(1)
-            if bar.n < len(names):
-                bar.set_postfix_str(names[bar.n])
+        def step(name: str) -> None:
+            if started[0]:
+                bar.update(1)
+            started[0] += 1
+            bar.set_postfix_str(name)
 
-        return evaluate(classifier, methods, data, metrics, log=log, **kwargs)
+        board = evaluate(classifier, methods, data, metrics, step=step, **kwargs)
+        bar.update(max(0, total - started[0] + 1))  # the last step
+        return board
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
@@ -208,6 +213,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     methods: dict[str, Any] = {}
     for name in names:
         methods[name] = build_explainer(name, classifier, aha_dir=args.aha, seed=args.seed)
+        check_cost(methods[name], img_size, args.max_cost, name)
         if resolve_method(name) == "aha" and args.refine_steps:
             methods[f"aha (T={args.refine_steps})"] = build_explainer(
                 name, classifier, aha_dir=args.aha, refine_steps=args.refine_steps, seed=args.seed

@@ -2,9 +2,8 @@
 
 Every input ``root/a/b.jpg`` gets ``OUT/a/b.npy`` (or ``.safetensors``; ``--map-dtype float16`` halves it) and, with
 ``--png``, ``OUT/a/b.overlay.png``: the overlay with its colour bar and a caption (method, class, probability),
-optionally beside the image (``--png-layout side-by-side``), drawn at a display size (short side at least 256 px,
-the picture's long side at most ``--png-max-side``, 2048 by default; bilinear resizing), while the map keeps the
-image's own resolution. ``--format none --png`` writes the pictures alone.
+optionally beside the image (``--png-layout side-by-side``), drawn at a display size (``--png-max-side``) while
+the map keeps the image's own resolution. ``--format none --png`` writes the pictures alone.
 The classifier sees the image as timm's evaluation transform cuts it (resize the shorter side to
 ``input / crop_pct``, centre crop, the model's interpolation: :func:`attr_engine.imageops.data_config`); the map
 is then written in the original image's frame, pixel for pixel aligned with it, the border the crop cut away
@@ -21,15 +20,9 @@ process's outputs are removed on start.
 record to block a corrected rerun); a later run with other settings is refused instead of silently mixing maps
 (``--overwrite`` redoes everything).
 
-Under ``torchrun --nproc_per_node=N -m attr_engine explain ...`` (or with ``RANK`` / ``WORLD_SIZE`` set by any
-launcher) every process lists the same inputs and takes its round-robin share (:mod:`attr_engine.distributed`), so no
-image is done twice or missed; no process group is needed. Each process writes its own maps and its own manifest,
-``OUT/_manifest/rank<R>-of-<N>.json`` (inputs of its share, maps written, inputs already done, unreadable files).
-
-With ``--engine ray`` (:mod:`attr_engine.ray`) a Ray Data actor pool computes the maps (``--actors``,
-``--gpus-per-actor``; ``--address`` joins a running cluster) and this process writes them with the same code: the
-same files, the same journal and settings, so either engine resumes the other's run. The actors get the batches
-this loop would form, so deterministic methods give the same maps bit for bit.
+Sharding (``torchrun``, or ``RANK`` / ``WORLD_SIZE`` from any launcher: each process takes its round-robin share)
+and ``--engine ray`` (a Ray Data actor pool computes, this process writes the same files and journal): see
+docs/explain.md.
 
 Unreadable images are reported one line each and listed in the manifest; the others are still written and the exit
 status stays 0 (a single unreadable input file is an error). A map with NaN or infinite values (outside the NaN
@@ -55,6 +48,7 @@ from attr_engine.cli._common import (
     add_classifier_args,
     add_device_arg,
     build_explainer,
+    check_cost,
     check_writable_dir,
     load_classifier_args,
     parse_key_values,
@@ -342,6 +336,7 @@ def _build_job(args: argparse.Namespace, stack: contextlib.ExitStack) -> _Run:
     explainer = build_explainer(
         method, classifier, aha_dir=args.aha, refine_steps=args.refine_steps, seed=args.seed, options=options
     )
+    check_cost(explainer, img_size, args.max_cost, method)
     num_classes = classifier.num_classes
     if args.target not in ("pred", "label") and not 0 <= int(args.target) < num_classes:
         raise UsageError(f"--target {args.target} is not a class of this classifier (0 to {num_classes - 1})")

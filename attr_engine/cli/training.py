@@ -14,6 +14,7 @@ from attr_engine.cli._common import (
     UsageError,
     add_classifier_args,
     add_device_arg,
+    check_model_flags,
     check_writable_dir,
     load_classifier_args,
     open_classifier,
@@ -146,6 +147,7 @@ def run_train_classifier(args: argparse.Namespace) -> int:
 
     for flag in ("epochs", "batch_size", "num_images"):
         _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    check_model_flags(None, args.img_size)  # before any image is resized to it
     device = resolve_device(args.device)
     out = check_writable_dir(args.out)
     target = out / CLASSIFIER_FILE

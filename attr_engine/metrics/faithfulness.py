@@ -277,9 +277,7 @@ def infidelity(
     For each sample and patch size, the patches of the grid (:func:`patch_grid`) are replaced one after the other,
     cumulatively, by a baseline value; after each replacement ``a = sum(A * (x - x_pert))`` (the map broadcast over
     channels) is compared with ``b = f_t(x) - f_t(x_pert)``. See the module docstring for the two reductions.
-
-    Deterministic baselines give the same perturbations in every sample, so they are evaluated once (the score is
-    unchanged, the cost is ``1 / n_samples`` of Quantus').
+    Deterministic baselines give the same perturbations in every sample, so they are evaluated once.
 
     Args:
         classifier: the frozen classifier, on ``x``'s device.

@@ -20,47 +20,24 @@ softmax attention      attention weights held constant: the gradient flows throu
 BatchNorm, linear ops  unchanged (affine in eval mode, already their own adjoint)
 =====================  =========================================================================================
 
-How layers are reached:
-
-- Modules are found by type through ``named_modules()`` and get an instance ``forward`` while at least one context
-  covering them is open (module objects, flags, parameters, buffers and hooks are never touched). That instance
-  forward is a dispatcher installed once per module, with a reference count under a lock, and removed when the
-  last context covering the module closes, whatever the order in which contexts close. It is soft only in a
-  thread whose innermost open context covers the module, with that context's settings; every other call (another
-  thread, no context open, no gradient) runs the module's own forward. Subclasses that override ``forward`` are not
-  assumed to behave like their base and are reported instead.
-- Functional calls inside a forward (``F.relu``, ``torch.relu``, ``F.relu6``, ``F.gelu``, ``F.silu``,
-  ``F.max_pool2d``, ``F.scaled_dot_product_attention``: timm's fused attention path; ``F.softmax`` /
-  ``torch.softmax``, soft only inside an attention module) are covered by patching those
-  attributes of ``torch.nn.functional`` / ``torch`` while at least one context is open. The patched functions are
-  soft only in the thread that entered a context (a thread-local stack), so other threads keep the plain
-  functions; names bound at import time (``from torch.nn.functional import relu``) and tensor methods
-  (``x.relu()``) are out of reach.
-- timm attention modules that compute the softmax explicitly (``fused_attn`` False) get their weights held
-  constant at their ``attn_drop`` module, which every timm attention applies to the softmax before ``@ v``.
-- ``nn.MultiheadAttention`` and transformers attention modules run their own forward with every ``F.softmax`` /
-  ``torch.softmax`` in it held constant (inside an attention module the softmax is the attention softmax), and
-  their SDPA path is held by the ``F.scaled_dot_product_attention`` patch. torchvision's and transformers' layers
-  are known by module and class name, so neither library is imported here.
-- Modules of unknown type that may carry gates (other activations, normalisation, attention and max-pooling
-  layers) keep their plain backward and are listed in one ``warnings.warn``.
-
-Every soft layer falls back to its plain forward when no gradient can flow (grad mode off or an input that does not
-require grad), so evaluation inside the context costs nothing extra.
-
-Contexts nest (the innermost one covering a module or, for the functional patches, the innermost one of the thread
-sets the temperatures), may be exited in any order, and may be open in several threads at once: all their state is
-per thread or per context, and nothing stays patched once the last one closes.
+How layers are reached (the full mechanism: docs/soft_adjoint.md): modules by type through ``named_modules()``,
+given a per-thread dispatcher ``forward`` while a context covering them is open (module objects, flags, parameters,
+buffers and hooks are never touched); functional calls (``F.relu``, ``F.gelu``, ``F.silu``, ``F.max_pool2d``,
+``F.scaled_dot_product_attention``, ``F.softmax`` inside attention, ...) by patching ``torch.nn.functional`` /
+``torch`` while a context is open, soft only in the thread that entered it. Unknown modules that may carry gates keep
+their plain backward and are listed in one warning. Without a gradient every soft layer runs its plain forward.
+Contexts nest (the innermost sets the temperatures), exit in any order and may be open in several threads at once.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any, ParamSpec, cast
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +57,8 @@ from torch.autograd.function import once_differentiable
 from kernels._tl_helpers import compute_dtype
 from kernels._validate import check_bool, check_positive
 from kernels.soft_gates import DEFAULT_POOL_TAU, DEFAULT_TAU, soft_gate, soft_maxpool2d
+
+_P = ParamSpec("_P")
 
 __all__ = ["GELU_TAU", "MAXPOOL_TAU", "RELU_TAU", "SILU_TAU", "SoftAdjoint", "soft_adjoint"]
 
@@ -243,8 +222,8 @@ def _held_rstd(xd: torch.Tensor, dims: tuple[int, ...], eps: float) -> torch.Ten
     """Per-token ``1 / sqrt(var + eps)`` of a LayerNorm over ``dims`` (trailing dims, or ``(1,)``: the channels of
     (B, C, ...)), keepdim-shaped, in float32 (float64 for float64 input).
 
-    From ``torch.native_layer_norm``, the kernel ``F.layer_norm`` itself runs: on the CPU it is several times faster
-    than ``torch.var_mean`` over the last dim (2.7 ms against 0.3 ms per call on the small ViT at batch 64).
+    From ``torch.native_layer_norm``, the kernel ``F.layer_norm`` itself runs: on the CPU several times faster than
+    ``torch.var_mean`` over the last dim (benches/README.md, "Measurements moved from docstrings").
     """
     cd = compute_dtype(xd.dtype)
     if dims == (1,):
@@ -616,11 +595,33 @@ def _release(module: nn.Module) -> None:
 
 
 class SoftAdjoint:
-    """Context manager returned by :func:`soft_adjoint` (see there); single use, not re-entrant.
+    """Context manager (also called as :func:`soft_adjoint`): ``model``'s forward unchanged, its backward the
+    Semantic Pullback soft adjoint.
+
+    Inside ``with soft_adjoint(model):`` the logits are bit-identical to the plain model's and
+    ``torch.autograd.grad(logit, x)`` is the soft pullback ``W(x)^T u`` (see the module docstring for the layer
+    table). On exit, normal or by exception, the model is exactly as before: same module objects, flags, state
+    dict and hooks, and the functional patches are undone once the last open context closes.
 
     After ``__enter__``: ``softened`` lists ``(name, kind)`` of the modules given a soft forward, ``unknown`` lists
-    ``(name, reason)`` of the modules reported as possibly gated but left plain. Any number of contexts (on the same
-    model or not, in one thread or several) may be open at once and exited in any order.
+    ``(name, reason)`` of the modules reported as possibly gated but left plain. Single use, not re-entrant; any
+    number of contexts (on the same model or not, in one thread or several) may be open at once and exited in any
+    order.
+
+    Args:
+        model: any ``nn.Module`` (a :class:`~attr_engine.classifier.Classifier` or the network inside it).
+        relu_tau: temperature of the ReLU (and ReLU6) gate ``Phi(z / tau)``; paper default 0.6.
+        gelu_tau: temperature of the GELU gate ``Phi(z / tau)`` (erf and tanh GELU); paper default 1.0.
+        silu_tau: temperature of the SiLU gate ``sigmoid(z / tau)``; paper default 1.6.
+        maxpool_tau: temperature of the max-pool window softmax; paper default 0.3.
+        layernorm: hold LayerNorm statistics constant in the backward (False: plain LayerNorm gradient).
+        attention: hold softmax attention weights constant in the backward (False: plain attention gradient).
+        warn_unknown: warn, listing them, about modules that may carry gates but are not handled.
+
+    Example:
+        >>> with soft_adjoint(classifier):  # doctest: +SKIP
+        ...     logits = classifier(x.requires_grad_())
+        ...     (pullback,) = torch.autograd.grad(logits[:, k].sum(), x)
     """
 
     def __init__(
@@ -748,46 +749,15 @@ class SoftAdjoint:
         self._state = "closed"
 
 
-def soft_adjoint(
-    model: nn.Module,
-    *,
-    relu_tau: float = RELU_TAU,
-    gelu_tau: float = GELU_TAU,
-    silu_tau: float = SILU_TAU,
-    maxpool_tau: float = MAXPOOL_TAU,
-    layernorm: bool = True,
-    attention: bool = True,
-    warn_unknown: bool = True,
-) -> SoftAdjoint:
-    """Context manager: ``model``'s forward unchanged, its backward the Semantic Pullback soft adjoint.
+def _function_of(cls: Callable[_P, SoftAdjoint]) -> Callable[_P, SoftAdjoint]:
+    """``cls`` called as a function, with its parameters (declared once, in ``__init__``) and docstring."""
 
-    Inside ``with soft_adjoint(model):`` the logits are bit-identical to the plain model's and
-    ``torch.autograd.grad(logit, x)`` is the soft pullback ``W(x)^T u`` (see the module docstring for the layer
-    table). On exit, normal or by exception, the model is exactly as before: same module objects, flags, state
-    dict and hooks, and the functional patches are undone once the last open context closes.
+    @functools.wraps(cls)
+    def make(*args: _P.args, **kwargs: _P.kwargs) -> SoftAdjoint:
+        return cls(*args, **kwargs)
 
-    Args:
-        model: any ``nn.Module`` (a :class:`~attr_engine.classifier.Classifier` or the network inside it).
-        relu_tau: temperature of the ReLU (and ReLU6) gate ``Phi(z / tau)``; paper default 0.6.
-        gelu_tau: temperature of the GELU gate ``Phi(z / tau)`` (erf and tanh GELU); paper default 1.0.
-        silu_tau: temperature of the SiLU gate ``sigmoid(z / tau)``; paper default 1.6.
-        maxpool_tau: temperature of the max-pool window softmax; paper default 0.3.
-        layernorm: hold LayerNorm statistics constant in the backward (False: plain LayerNorm gradient).
-        attention: hold softmax attention weights constant in the backward (False: plain attention gradient).
-        warn_unknown: warn, listing them, about modules that may carry gates but are not handled.
+    make.__name__ = make.__qualname__ = "soft_adjoint"
+    return make
 
-    Example:
-        >>> with soft_adjoint(classifier):  # doctest: +SKIP
-        ...     logits = classifier(x.requires_grad_())
-        ...     (pullback,) = torch.autograd.grad(logits[:, k].sum(), x)
-    """
-    return SoftAdjoint(
-        model,
-        relu_tau=relu_tau,
-        gelu_tau=gelu_tau,
-        silu_tau=silu_tau,
-        maxpool_tau=maxpool_tau,
-        layernorm=layernorm,
-        attention=attention,
-        warn_unknown=warn_unknown,
-    )
+
+soft_adjoint = _function_of(SoftAdjoint)

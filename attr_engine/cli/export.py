@@ -1,0 +1,94 @@
+"""``attr-engine export``: a trained AHA and its classifier as one serving artifact (ONNX or AOTInductor .pt2)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from attr_engine.cli._common import (
+    UsageError,
+    add_classifier_args,
+    add_device_arg,
+    build_explainer,
+    load_classifier_args,
+    resolve_device,
+    resolve_method,
+    work_started,
+)
+
+
+def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
+    p = subparsers.add_parser(
+        "export",
+        help="write a trained AHA and its classifier as one ONNX (or AOTInductor .pt2) file that serves the "
+        "prediction and its map",
+        description="Export a trained AHA explainer and its classifier as one self-contained file: inputs images "
+        "(B, 3, H, W) float32 in [0, 1] and target (B,) int64 (-1: the predicted class); outputs logits (B, K) and "
+        "maps (B, H, W), standardised as explain writes them. One input size, any batch. Runs in onnxruntime "
+        "without attr-engine or PyTorch. Only AHA without refinement exports: the other methods need autograd or "
+        "many passes per map.",
+    )
+    add_classifier_args(p)
+    p.add_argument("--aha", metavar="DIR", help="trained AHA checkpoint directory (train-aha or demo output)")
+    p.add_argument("--method", default="aha", help="the method to export: only aha has an exported form")
+    p.add_argument("--refine-steps", type=int, default=0, help="must be 0: refinement cannot be exported")
+    p.add_argument(
+        "--output", "-o", required=True, metavar="FILE", help="the artifact to write (.onnx, or .pt2 for AOTInductor)"
+    )
+    p.add_argument(
+        "--format", choices=("onnx", "pt2"), help="artifact format (default: from the suffix of --output; else onnx)"
+    )
+    p.add_argument("--img-size", type=int, help="square input side of the artifact (default: the explainer's)")
+    p.add_argument("--class-names", metavar="FILE", help="JSON list of class names to record in the metadata")
+    add_device_arg(p)
+    p.set_defaults(run=run_export)
+    return {"export": p}
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refusals that need no model: another method, refinement, an impossible size (one line each, exit 2)."""
+    method = resolve_method(args.method)
+    if method != "aha":
+        raise UsageError(
+            f"{method} cannot be exported: only aha has a one-pass graph (the others need autograd or many passes)"
+        )
+    if args.refine_steps != 0:
+        raise UsageError("--refine-steps must be 0: refinement runs an optimiser per request, which no graph holds")
+    if args.aha is None:
+        raise UsageError("export needs a trained explainer: pass --aha DIR (train-aha or demo output)")
+    if args.img_size is not None and args.img_size < 8:
+        raise UsageError(f"--img-size must be >= 8, got {args.img_size}")
+    if Path(args.output).is_dir():
+        raise UsageError(f"--output {args.output} is a directory; name the file to write")
+
+
+def _class_names(path: str | None) -> list[str] | None:
+    if path is None:
+        return None
+    try:
+        names = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--class-names {path}: {err}") from None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise UsageError(f"--class-names {path} must hold a JSON list of strings")
+    return names
+
+
+def run_export(args: argparse.Namespace) -> int:
+    _check_args(args)
+    device = resolve_device(args.device)
+    classifier = load_classifier_args(args, device, img_size=args.img_size)
+    explainer = build_explainer("aha", classifier, aha_dir=args.aha)
+    names = _class_names(args.class_names)
+    try:
+        from attr_engine.aha.export import check_exportable
+
+        check_exportable(explainer, args.format, args.output, args.img_size, names)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    work_started()
+    path = explainer.export(args.output, format=args.format, img_size=args.img_size, class_names=names)
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,586 @@
+"""Attribution maps over HTTP: a Ray Serve deployment that answers KServe V1 ``:predict`` and ``:explain``.
+
+::
+
+    import ray
+    from attr_engine.jobs import AttributionJob
+    from attr_engine.serve import ServeSettings, start_server
+    ray.init()
+    job = AttributionJob(method="aha", classifier="clf.safetensors", aha="runs/aha", frame="image")
+    start_server(job, ServeSettings(name="shapes"), host="127.0.0.1", port=8000)  # POST .../v1/models/shapes:explain
+
+Each replica (:class:`ModelServer`) builds the classifier and the method once from an
+:class:`~attr_engine.jobs.AttributionJob` (the builders ``explain`` uses), cuts every image as ``explain`` does,
+batches concurrent requests' instances (``@serve.batch``) and computes a batch's logits and maps in one function
+(:func:`logits_and_maps`).
+
+**Routes** (KServe V1; one model per server, ``<name>`` = :attr:`ServeSettings.name`; the README's "Serve over
+HTTP" has the shapes in full): ``POST /v1/models/<name>:explain`` -> ``{"explanations": [{"target",
+"probability", "height", "width", "map": {"shape", "dtype", "b64"}, "error"}]}``, one entry per instance, the map
+as raw little-endian bytes in the original image's frame (NaN where the centre crop cut) or, with
+``frame="model"``, the classifier's input size; ``POST /v1/models/<name>:predict`` -> ``{"predictions": [{"class",
+"probability", "name", "error"}]}``; ``GET /v1/models/<name>``, ``GET /v1/models`` and ``GET /`` for health.
+
+**Errors.** A request the server cannot take (not JSON, no ``instances``, too many, too large, an unknown route or
+model) is answered 4xx with ``{"error": "<one line>"}``. A bad instance (a field missing or unknown, a payload
+over :attr:`ServeSettings.max_image_bytes`, refused before decoding, no PNG / JPEG / WebP, a side under
+:attr:`ServeSettings.min_side` or more than :attr:`ServeSettings.max_pixels` pixels, read from the header, a
+target that is no class, a non-finite map) gets its ``error`` and the others still answer; when every instance is
+bad the request is answered 4xx with the first one's line. Every failure is caught in the request that caused it.
+Ray is imported by this module: ``import attr_engine`` never loads it (``pip install 'attr-engine[serve]'``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import json
+import logging
+import math
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from ray import serve
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
+
+from attr_engine.jobs import AttributionJob, build_classifier, build_explainer
+from kernels._validate import check_int_at_least
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from attr_engine.classifier import Classifier
+
+__all__ = [
+    "APP",
+    "IMAGE_FORMATS",
+    "InstanceError",
+    "ModelServer",
+    "ServeSettings",
+    "build_app",
+    "class_names",
+    "encode_map",
+    "logits_and_maps",
+    "read_image",
+    "start_server",
+    "stop_server",
+]
+
+# The Ray Serve application name: one model per server, so a new deployment replaces the running one.
+APP = "attr-engine"
+# Formats a request may carry (PIL's names). PIL opens many more (EPS runs Ghostscript): those are refused.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+MAP_DTYPES = ("float32", "float16")
+MiB = 1 << 20
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """How a server answers and what it accepts; the job says what it computes.
+
+    Attributes:
+        name: the model's name in the routes (``/v1/models/<name>:explain``).
+        max_batch_size: instances a replica explains in one batch (``@serve.batch``); ``batch_wait_s``: how long
+            a batch waits for more instances after its first.
+        map_dtype: ``float32`` (the maps exactly) or ``float16`` (half the bytes, about 3 significant digits; a
+            map beyond 65504 is that instance's error).
+        max_image_bytes: an instance's image payload, decoded from base64, at most this many bytes: a longer
+            base64 string is refused before it is decoded.
+        max_request_bytes: a request body at most this many bytes (read no further).
+        max_instances: instances per request.
+        max_pixels: an image at most this many pixels (width x height, from its header, before decompression:
+            a decompression bomb is refused unread). ``min_side``: its shorter side at least this many pixels.
+        replicas: Ray Serve replicas, each with the model; ``threads``: CPUs (torch threads) per replica;
+            ``gpus``: GPUs per replica.
+    """
+
+    name: str = "attr-engine"
+    max_batch_size: int = 16
+    batch_wait_s: float = 0.01
+    map_dtype: str = "float32"
+    max_image_bytes: int = 20 * MiB
+    max_request_bytes: int = 64 * MiB
+    max_instances: int = 32
+    max_pixels: int = 25_000_000
+    min_side: int = 16
+    replicas: int = 1
+    threads: int = 1
+    gpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.name or any(c in self.name for c in "/:?#% ") or not self.name.isprintable():
+            raise ValueError(
+                f"name must be a non-empty name without '/', ':', '?', '#', '%' or spaces, got {self.name!r}"
+            )
+        for key in ("max_batch_size", "max_image_bytes", "max_request_bytes", "max_instances", "max_pixels",
+                    "min_side", "replicas", "threads"):  # fmt: skip
+            check_int_at_least(getattr(self, key), key, 1)
+        if not 0.0 <= self.batch_wait_s <= 10.0:
+            raise ValueError(f"batch_wait_s must be between 0 and 10 seconds, got {self.batch_wait_s!r}")
+        if self.map_dtype not in MAP_DTYPES:
+            raise ValueError(f"map_dtype must be one of {', '.join(MAP_DTYPES)}, got {self.map_dtype!r}")
+        if not self.gpus >= 0:
+            raise ValueError(f"gpus must be >= 0, got {self.gpus!r}")
+        if self.min_side**2 > self.max_pixels:
+            raise ValueError(f"min_side {self.min_side} leaves no image within max_pixels {self.max_pixels}")
+
+    @property
+    def max_b64_chars(self) -> int:
+        """The longest base64 string that can decode to at most ``max_image_bytes`` bytes."""
+        return 4 * math.ceil(self.max_image_bytes / 3)
+
+
+class InstanceError(ValueError):
+    """Why a request or one instance of it cannot be answered, as one line, with its HTTP status."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(" ".join(message.split()))
+        self.status = status
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Instances: fields, payload, image
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def read_image(data: bytes, settings: ServeSettings) -> Any:
+    """The PIL image of an instance's bytes, decoded as ``explain`` decodes a file
+    (:func:`~attr_engine.imageops.decode_image`), after its header passed the format and size limits.
+
+    Raises:
+        InstanceError: bytes of no allowed format (:data:`IMAGE_FORMATS`), too few or too many pixels (413), or a
+            file that fails to decode.
+    """
+    from PIL import Image
+
+    from attr_engine.imageops import decode_image
+
+    try:
+        # Image.open reads the header only: the size is known before a single pixel is decompressed.
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as im:
+            width, height = im.size
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        raise InstanceError(f"the image is not a {' / '.join(IMAGE_FORMATS)} file") from None
+    if width * height > settings.max_pixels:
+        raise InstanceError(
+            f"the image has {width} x {height} pixels, more than the server's limit of {settings.max_pixels}", 413
+        )
+    if min(width, height) < settings.min_side:
+        raise InstanceError(f"the image is {width} x {height} pixels; its sides must be at least {settings.min_side}")
+    try:
+        return decode_image(io.BytesIO(data))
+    except ValueError as err:
+        raise InstanceError(f"cannot decode the image: {err.__cause__ or err}") from None
+
+
+def _instance_fields(instance: Any, settings: ServeSettings, num_classes: int) -> tuple[bytes, int | None]:
+    """An instance's image bytes and target (None: the predicted class), checked without decoding the image."""
+    if not isinstance(instance, dict):
+        raise InstanceError(
+            f"an instance must be an object {{'image': {{'b64': ...}}, 'target': ...}}, got {instance!r:.60}"
+        )
+    unknown = sorted(set(instance) - {"image", "target"})
+    if unknown:
+        raise InstanceError(f"unknown field {unknown[0]!r} in an instance (fields: image, target)")
+    image = instance.get("image")
+    if not isinstance(image, dict) or not isinstance(image.get("b64"), str):
+        raise InstanceError("an instance needs 'image': {'b64': '<base64 of the PNG / JPEG bytes>'}")
+    payload = image["b64"]
+    if len(payload) > settings.max_b64_chars:
+        raise InstanceError(f"the image payload exceeds the server's limit of {settings.max_image_bytes} bytes", 413)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InstanceError("image.b64 is not valid base64") from None
+    target = instance.get("target")
+    if target is not None:
+        if isinstance(target, bool) or not isinstance(target, int):
+            raise InstanceError(f"target must be a class index (an integer) or null, got {target!r:.40}")
+        if not 0 <= target < num_classes:
+            raise InstanceError(f"target {target} is not a class of this classifier (0 to {num_classes - 1})")
+    return data, target
+
+
+def _instances(body: bytes, settings: ServeSettings) -> list[Any]:
+    """The ``instances`` list of a request body, or the request's error."""
+    try:
+        request = json.loads(body)
+    except (UnicodeDecodeError, ValueError):
+        raise InstanceError("the request body is not JSON") from None
+    if not isinstance(request, dict) or not isinstance(request.get("instances"), list):
+        raise InstanceError("the request needs 'instances': a list of {'image': {'b64': ...}, 'target': ...}")
+    instances = request["instances"]
+    if not instances:
+        raise InstanceError("'instances' is empty")
+    if len(instances) > settings.max_instances:
+        raise InstanceError(
+            f"{len(instances)} instances in one request, more than the server's limit of {settings.max_instances}",
+            413,
+        )
+    return instances
+
+
+def encode_map(amap: np.ndarray, dtype: str) -> dict[str, Any]:
+    """``amap (h, w)`` float32 as the wire's ``{"shape", "dtype", "b64"}``: little-endian bytes in C order.
+
+    Raises:
+        InstanceError: with ``dtype`` float16, finite values beyond float16's range (65504).
+    """
+    import numpy as np
+
+    with np.errstate(over="ignore"):  # an overflow is refused below, with its reason
+        stored = amap.astype("<f4" if dtype == "float32" else "<f2")
+    if dtype == "float16" and not np.array_equal(np.isfinite(stored), np.isfinite(amap)):
+        raise InstanceError("map values exceed float16's range (65504): serve with map_dtype float32", 500)
+    return {"shape": list(amap.shape), "dtype": dtype, "b64": base64.b64encode(stored.tobytes()).decode("ascii")}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A batch: logits and maps
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def logits_and_maps(
+    classifier: Classifier, explainer: Any, x: torch.Tensor, target: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits ``(B, K)`` and the maps ``(B, H, W)`` of ``x (B, 3, H, W)`` for ``target (B,)``, or for the
+    predicted classes (the logits' argmax) when ``target`` is None.
+
+    An explainer with a fused ``predict_and_explain`` (AHA) takes both from one backbone pass; any other runs the
+    classifier once for the logits and ``attribute`` for the maps.
+    """
+    import torch
+
+    fused = getattr(explainer, "predict_and_explain", None)
+    if fused is not None:
+        return fused(x, target=target)
+    with torch.no_grad():
+        logits = classifier(x)
+    return logits, explainer.attribute(x, logits.argmax(1) if target is None else target)
+
+
+@dataclass
+class _Row:
+    """One checked instance in a batch: the classifier's input ``x (3, H, W)``, the image's ``(h, w)``, the target
+    (None: predicted) and whether its map is wanted (``:explain``) or its class alone (``:predict``)."""
+
+    x: torch.Tensor
+    size: tuple[int, int]
+    target: int | None
+    explain: bool
+
+
+@dataclass
+class _Answer:
+    target: int
+    probability: float
+    map: np.ndarray | None = None  # (h, w) float32 in the output frame; None for :predict
+    error: str | None = None
+
+
+class ModelServer:
+    """The Ray Serve deployment's class: one classifier and method per replica, answering the routes of the module
+    docstring. Built by :func:`build_app`.
+
+    Args:
+        job: what to build and how to frame the maps (``job.frame``, ``job.preprocess``).
+        settings: the limits and batching (:class:`ServeSettings`).
+    """
+
+    def __init__(self, job: AttributionJob, settings: ServeSettings) -> None:
+        import torch
+
+        from attr_engine.distributed import local_device
+        from attr_engine.imageops import data_config
+
+        torch.set_num_threads(settings.threads)
+        self.job, self.settings = job, settings
+        self.device = local_device(job.device)
+        self.classifier = build_classifier(job, self.device)
+        crop_pct = job.crop_pct if job.crop_pct is not None else (1.0 if job.classifier else None)
+        self.config = job.preprocess or data_config(self.classifier, img_size=job.img_size, crop_pct=crop_pct)
+        self.explainer = build_explainer(job, self.classifier)
+        self.names = class_names(job, self.classifier)
+        # The decorator's sizes are placeholders: these settings are known only now (Ray Serve's documented setters).
+        batching = cast(Any, self._batch)
+        batching.set_max_batch_size(settings.max_batch_size)
+        batching.set_batch_wait_timeout_s(settings.batch_wait_s)
+        torch.manual_seed(job.seed)
+
+    async def __call__(self, request: Request) -> JSONResponse:
+        """Route one HTTP request; every failure becomes its response, never the replica's end."""
+        path, method, name = request.url.path, request.method, self.settings.name
+        base = f"/v1/models/{name}"
+        try:
+            if path == "/" and method == "GET":
+                return JSONResponse({"status": "alive"})
+            if path in ("/v1/models", "/v1/models/") and method == "GET":
+                return JSONResponse({"models": [name]})
+            if path == base and method == "GET":
+                return JSONResponse({"name": name, "ready": True})
+            for verb in ("explain", "predict"):
+                if path == f"{base}:{verb}":
+                    if method != "POST":
+                        raise InstanceError(f"{path} takes POST, not {method}", 405)
+                    return await self._answer(request, verb == "explain")
+            if path.startswith("/v1/models/") and path.rpartition("/")[2].split(":")[0] != name:
+                raise InstanceError(
+                    f"no model {path.rpartition('/')[2].split(':')[0]!r} here; this server serves {name!r}", 404
+                )
+            raise InstanceError(f"no route {method} {path} (POST {base}:explain, {base}:predict; GET {base}, /)", 404)
+        except InstanceError as err:
+            return JSONResponse({"error": str(err)}, status_code=err.status)
+        except Exception as err:  # a bug or an exhausted resource: this request fails, the replica stays
+            logger.exception("request %s %s failed", method, path)
+            return JSONResponse({"error": f"internal error: {type(err).__name__}: {err}"[:300]}, status_code=500)
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, read no further than ``max_request_bytes``."""
+        limit = self.settings.max_request_bytes
+        too_large = InstanceError(f"the request body exceeds the server's limit of {limit} bytes", 413)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise InstanceError("the client disconnected before the request body was read") from None
+        return b"".join(chunks)
+
+    async def _answer(self, request: Request, explain: bool) -> JSONResponse:
+        """``:explain`` or ``:predict``: every instance checked and decoded, then batched; one entry per instance."""
+        instances = _instances(await self._body(request), self.settings)
+        rows = await asyncio.to_thread(self._rows, instances, explain)
+        answers = await asyncio.gather(*(self._batch(row) for row in rows if not isinstance(row, InstanceError)))
+        done = iter(answers)
+        entries = [self._entry(row if isinstance(row, InstanceError) else next(done), explain) for row in rows]
+        errors = [(i, row) for i, row in enumerate(rows) if isinstance(row, InstanceError)]
+        if len(errors) == len(rows):  # nothing to answer: the request itself is bad
+            i, err = errors[0]
+            more = f" (and {len(errors) - 1} more bad instances)" if len(errors) > 1 else ""
+            raise InstanceError(f"instance {i}: {err}{more}", err.status)
+        return JSONResponse({"explanations" if explain else "predictions": entries})
+
+    def _rows(self, instances: Sequence[Any], explain: bool) -> list[_Row | InstanceError]:
+        """Each instance as the classifier's input, or its error (runs in a worker thread: decoding is CPU work)."""
+        from attr_engine.imageops import prepare_input
+
+        rows: list[_Row | InstanceError] = []
+        for instance in instances:
+            try:
+                data, target = _instance_fields(instance, self.settings, self.classifier.num_classes)
+                x, size, _ = prepare_input(read_image(data, self.settings), self.config)
+                rows.append(_Row(x, size, target, explain))
+            except InstanceError as err:
+                rows.append(err)
+        return rows
+
+    def _entry(self, answer: _Answer | InstanceError, explain: bool) -> dict[str, Any]:
+        """One instance's entry of the response."""
+        if isinstance(answer, InstanceError) or answer.error is not None:
+            error = str(answer) if isinstance(answer, InstanceError) else answer.error
+            target = None if isinstance(answer, InstanceError) else answer.target
+            probability = None if isinstance(answer, InstanceError) else answer.probability
+            if explain:
+                return {"target": target, "probability": probability, "height": None, "width": None, "map": None,
+                        "error": error}  # fmt: skip
+            return {"class": None, "probability": None, "name": None, "error": error}
+        if not explain:
+            name = self.names.get(answer.target)
+            return {"class": answer.target, "probability": answer.probability, "name": name, "error": None}
+        assert answer.map is not None  # an explained row without error has its map
+        try:
+            encoded = encode_map(answer.map, self.settings.map_dtype)
+        except InstanceError as err:
+            return self._entry(_Answer(answer.target, answer.probability, error=str(err)), True)
+        height, width = answer.map.shape
+        return {"target": answer.target, "probability": answer.probability, "height": height, "width": width,
+                "map": encoded, "error": None}  # fmt: skip
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
+    async def _batch(self, rows: list[_Row]) -> list[_Answer]:
+        """The rows of concurrent requests, computed together in a worker thread (the replica's event loop keeps
+        taking requests meanwhile, which form the next batch)."""
+        try:
+            return await asyncio.to_thread(self._compute, rows)
+        except Exception as err:  # the whole batch failed (a bug, memory): each of its requests says so
+            logger.exception("a batch of %d instances failed", len(rows))
+            line = f"internal error: {type(err).__name__}: {' '.join(str(err).split())}"[:300]
+            return [_Answer(-1, math.nan, error=line) for _ in rows]
+
+    def _compute(self, rows: list[_Row]) -> list[_Answer]:
+        """Answers for ``rows``: predictions from the classifier alone, maps in groups of predicted and given
+        targets (a fused explainer takes ``target=None`` for the predicted class)."""
+        import torch
+
+        answers: list[_Answer | None] = [None] * len(rows)
+        groups = {
+            "predict": [i for i, r in enumerate(rows) if not r.explain],
+            "predicted": [i for i, r in enumerate(rows) if r.explain and r.target is None],
+            "given": [i for i, r in enumerate(rows) if r.explain and r.target is not None],
+        }
+        for kind, index in groups.items():
+            if not index:
+                continue
+            x = torch.stack([rows[i].x for i in index]).to(self.device)
+            maps = None
+            if kind == "predict":
+                with torch.no_grad():
+                    logits = self.classifier(x)
+            else:
+                given = torch.tensor([rows[i].target for i in index], device=self.device) if kind == "given" else None
+                logits, maps = logits_and_maps(self.classifier, self.explainer, x, given)
+            target = logits.argmax(1) if kind != "given" else torch.tensor([rows[i].target for i in index])
+            probability = logits.detach().float().softmax(1).cpu().gather(1, target.cpu()[:, None])[:, 0]
+            for k, i in enumerate(index):
+                answers[i] = self._answer_row(rows[i], int(target[k]), float(probability[k]), maps, k)
+        assert all(a is not None for a in answers)
+        return answers  # type: ignore[return-value]  # every row belongs to one group
+
+    def _answer_row(self, row: _Row, target: int, probability: float, maps: torch.Tensor | None, k: int) -> _Answer:
+        """Row ``k`` of a group's result; its map in the output frame."""
+        import torch
+
+        from attr_engine.explainer import NONFINITE_MAP
+        from attr_engine.imageops import to_image_frame
+
+        if maps is None:
+            return _Answer(target, probability)
+        amap = maps[k].detach().float().cpu()
+        if not bool(torch.isfinite(amap).all()):
+            return _Answer(target, probability, error=NONFINITE_MAP)
+        if self.job.frame == "image":
+            amap = to_image_frame(amap, row.size, self.config)
+        return _Answer(target, probability, amap.contiguous().numpy())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Class names, the application, starting and stopping
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def class_names(job: AttributionJob, classifier: Classifier) -> dict[int, str]:
+    """``{class id: name}`` where the names are known to be the classifier's classes, else ``{}``.
+
+    A ``train-classifier`` checkpoint has a ``train.json`` beside it listing its classes: used when it names this
+    model and as many classes as the classifier has (the rule ``explain --png`` captions follow). A timm model
+    with pretrained ImageNet weights: timm's ImageNet class descriptions, when the class count matches.
+    """
+    if job.classifier:
+        try:
+            record = json.loads((Path(job.classifier).parent / "train.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        classes = record.get("classes") if isinstance(record, dict) else None
+        if (
+            isinstance(classes, list)
+            and len(classes) == classifier.num_classes
+            and all(isinstance(c, str) for c in classes)
+            and record.get("model") == getattr(classifier, "model_name", None)
+        ):
+            return dict(enumerate(classes))
+        return {}
+    if job.pretrained:
+        from timm.data import ImageNetInfo, infer_imagenet_subset
+
+        subset = infer_imagenet_subset(getattr(classifier, "model", classifier))
+        if subset:
+            info = ImageNetInfo(subset)
+            if info.num_classes() == classifier.num_classes:
+                return {k: info.index_to_description(k) for k in range(info.num_classes())}
+    return {}
+
+
+def build_app(job: AttributionJob, settings: ServeSettings) -> serve.Application:
+    """The Ray Serve application of ``job`` under ``settings``: :attr:`ServeSettings.replicas` replicas of
+    :class:`ModelServer`, each with ``threads`` CPUs and ``gpus`` GPUs; Ray Serve's own logs at WARNING, no access
+    log."""
+    deployment = serve.deployment(
+        name="ModelServer",
+        num_replicas=settings.replicas,
+        ray_actor_options={"num_cpus": settings.threads, "num_gpus": settings.gpus},
+        # Room for a batch being computed and the next one forming.
+        max_ongoing_requests=2 * settings.max_batch_size,
+        logging_config={"log_level": "WARNING", "enable_access_log": False},
+    )(ModelServer)
+    return deployment.bind(job, settings)
+
+
+def start_server(
+    job: AttributionJob,
+    settings: ServeSettings,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    verbose: bool = False,
+    timeout: float = 300.0,
+) -> str:
+    """Deploy ``job`` on the connected Ray cluster, listening on ``host:port``; returns the model's URL once it
+    answers its readiness route.
+
+    Serve already running on the cluster keeps its own address: the server is then checked to answer at
+    ``host:port`` and refused in one line otherwise. A replica that fails to build (a bad checkpoint) fails here
+    with its own message.
+
+    Raises:
+        ValueError: the application failed to deploy, or does not answer at ``host:port`` within ``timeout``.
+    """
+    import ray
+
+    if not verbose:
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    quiet = {"log_level": "INFO" if verbose else "WARNING", "enable_access_log": verbose}
+    serve.start(http_options={"host": host, "port": port}, logging_config=quiet)
+    try:
+        serve.run(build_app(job, settings), name=APP, route_prefix="/", logging_config=quiet)
+    except (ray.exceptions.RayError, RuntimeError) as err:
+        from attr_engine.ray import RemoteWorkerError
+
+        raise RemoteWorkerError(f"the server failed to start: {_last_error_line(err)}") from None
+    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    url = f"http://{local if ':' not in local else f'[{local}]'}:{port}/v1/models/{settings.name}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                if json.loads(answer.read()).get("name") == settings.name:
+                    return url
+        except (OSError, ValueError, urllib.error.URLError):
+            pass
+        if time.monotonic() > deadline:
+            raise ValueError(f"the server does not answer at {url} (is Ray Serve already running on this cluster "
+                             "with another HTTP address?)")  # fmt: skip
+        time.sleep(0.5)
+
+
+def stop_server() -> None:
+    """Remove the application (the Ray cluster and Serve's proxy stay for their owner to shut down)."""
+    serve.delete(APP)
+
+
+def _last_error_line(err: BaseException) -> str:
+    """The message a replica's constructor raised, out of Ray Serve's deployment-failure text."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
+    for line in reversed([line.strip() for line in text.splitlines() if line.strip()]):
+        match = re.match(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception)): (.+)$", line)
+        if match:
+            return match.group(2)
+    return " ".join(text.split())[:300] or type(err).__name__

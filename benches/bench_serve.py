@@ -1,0 +1,183 @@
+"""Serving cost (issue #30): the prediction alone against the prediction and its AHA map, eager and exported, side by
+side in one process.
+
+    nice -n 10 python -u -m benches.bench_serve                                   # everything below (long)
+    nice -n 10 python -u -m benches.bench_serve --sizes 224 --batches 1 --threads 1
+    nice -n 10 python -u -m benches.bench_serve --sizes 224 --batches 1 --threads 1 --decoder light
+    nice -n 10 python -u -m benches.bench_serve --models resnet18 --sizes 64 --batches 1 --repeats 1 --no-pt2  # smoke
+
+Models (untrained, 10 classes, built at each size): timm ``resnet18`` and the leaderboard's small ViT
+(``small_model_config("vit")``: 4 blocks, width 96, an 8 x 8 patch grid at every size), at 224 px and at the
+leaderboard's 64 px; the explainer is an untrained AHA with the default config and ``--decoder`` (untrained
+weights cost what trained ones do). For each thread count (torch and onnxruntime both set to it) and batch, the
+minimum over ``--repeats`` calls after one warm-up, in ms per image:
+
+- ``classifier``: ``classifier(x)`` under ``torch.inference_mode`` (eager), and the classifier alone exported to ONNX
+  in onnxruntime (``classifier ort``);
+- ``attribute``: ``aha.attribute(x)`` today, which runs the classifier for the prediction, then the backbone again;
+- ``fused``: ``aha.predict_and_explain(x)``, logits and levels from one backbone pass;
+- ``onnx``: the artifact of ``aha.export`` in onnxruntime (CPU provider), target -1;
+- ``pt2``: the AOTInductor package of ``aha.export`` (``--no-pt2`` skips its compile, minutes per model and size).
+
+Ratios from the same run: ``fused / classifier`` (issue target <= 1.5 at 224 px, 1 thread), ``attribute / onnx``
+(target >= 1.5 at batch 1), and ``|maps|`` the largest difference between the ONNX artifact's maps and eager's
+(target <= 1e-4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from attr_engine.aha import AHA, AHAConfig
+from attr_engine.classifier import Classifier, load_classifier
+from attr_engine.classifier_training import small_model_config
+
+MODELS = ("resnet18", "vit")
+COLUMNS = ("classifier", "classifier ort", "attribute", "fused", "onnx", "pt2")
+
+
+def build(model: str, size: int) -> Classifier:
+    """An untrained 10-class classifier of ``model`` at ``size`` px, seeded."""
+    torch.manual_seed(0)
+    if model == "vit":
+        config = small_model_config("vit", size)
+        return load_classifier(config.name, num_classes=10, img_size=size, **config.kwargs)
+    return load_classifier(model, num_classes=10, img_size=size)
+
+
+def best_ms(fn: Callable[[], object], images: int, repeats: int) -> float:
+    """Minimum wall time of ``repeats`` calls after one warm-up, in ms per image."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times) / images
+
+
+class _Logits(nn.Module):
+    """The classifier alone as a graph: [0, 1] images -> logits (normalisation inside, no input checks)."""
+
+    def __init__(self, classifier: Classifier) -> None:
+        super().__init__()
+        self.classifier = classifier
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier.model(self.classifier.normalize(x))
+
+
+def export_classifier(classifier: Classifier, size: int, path: Path) -> Path:
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    example = (torch.rand(2, 3, size, size),)
+    program = torch.onnx.export(
+        _Logits(classifier).eval(), example, dynamo=True, dynamic_shapes={"x": {0: batch}}, verbose=False
+    )
+    assert program is not None
+    program.save(str(path), external_data=False)
+    return path
+
+
+def session(path: Path, threads: int):  # -> onnxruntime.InferenceSession
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def artifacts(aha: AHA, size: int, root: Path, pt2: bool) -> dict[str, Path]:
+    """The exported files of one model and size, with their export times printed."""
+    paths: dict[str, Path] = {}
+    start = time.perf_counter()
+    paths["classifier ort"] = export_classifier(aha.classifier, size, root / "classifier.onnx")
+    paths["onnx"] = aha.export(root / "aha.onnx")
+    print(f"  exported classifier + AHA to ONNX in {time.perf_counter() - start:.0f} s", flush=True)
+    if pt2:
+        start = time.perf_counter()
+        paths["pt2"] = aha.export(root / "aha.pt2")
+        print(f"  compiled the .pt2 in {time.perf_counter() - start:.0f} s", flush=True)
+    return paths
+
+
+def measure(aha: AHA, paths: dict[str, Path], threads: int, batch: int, repeats: int) -> dict[str, float]:
+    """ms per image of every column (the ones with an artifact) and the ONNX maps' largest difference."""
+    torch.set_num_threads(threads)
+    size = aha.img_size
+    x = torch.rand(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
+    feed = {"images": x.numpy(), "target": np.full(batch, -1, np.int64)}
+    row: dict[str, float] = {}
+    with torch.inference_mode():
+        row["classifier"] = best_ms(lambda: aha.classifier(x), batch, repeats)
+    row["attribute"] = best_ms(lambda: aha.attribute(x), batch, repeats)
+    row["fused"] = best_ms(lambda: aha.predict_and_explain(x), batch, repeats)
+    clf_session = session(paths["classifier ort"], threads)
+    row["classifier ort"] = best_ms(lambda: clf_session.run(None, {"x": x.numpy()}), batch, repeats)
+    aha_session = session(paths["onnx"], threads)
+    row["onnx"] = best_ms(lambda: aha_session.run(None, feed), batch, repeats)
+    maps = aha_session.run(["maps"], feed)[0]
+    row["|maps|"] = float(np.abs(maps - aha.predict_and_explain(x)[1].numpy()).max())
+    if "pt2" in paths:
+        from torch._inductor import aoti_load_package
+
+        compiled = aoti_load_package(str(paths["pt2"]))
+        target = torch.full((batch,), -1, dtype=torch.long)
+        with torch.inference_mode():
+            row["pt2"] = best_ms(lambda: compiled(x, target), batch, repeats)
+    return row
+
+
+def print_row(model: str, size: int, threads: int, batch: int, row: dict[str, float]) -> None:
+    cells = [f"{row[c]:.2f}" if c in row else "-" for c in COLUMNS]
+    fused_ratio = row["fused"] / row["classifier"]
+    speedup = row["attribute"] / row["onnx"]
+    print(
+        f"| {model} | {size} | {threads} | {batch} | " + " | ".join(cells)
+        + f" | {fused_ratio:.2f} | {speedup:.2f} | {row['|maps|']:.1e} |",
+        flush=True,
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--sizes", default="224,64")
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts (torch and onnxruntime)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-pt2", action="store_true", help="skip the AOTInductor package (a compile of minutes)")
+    parser.add_argument("--decoder", choices=("full", "light"), default="full", help="AHAConfig.decoder")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"decoder {args.decoder}", flush=True)
+    print(
+        "| model | px | threads | batch | " + " | ".join(COLUMNS) + " | fused / classifier | attribute / onnx "
+        "| max map diff |"
+    )
+    print("|" + "---|" * (len(COLUMNS) + 7))
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            for size in (int(s) for s in args.sizes.split(",")):
+                aha = AHA(build(model, size), AHAConfig(decoder=args.decoder), img_size=size)
+                root = Path(tmp) / f"{model}-{size}"
+                root.mkdir()
+                paths = artifacts(aha, size, root, not args.no_pt2)
+                for threads in (int(t) for t in args.threads.split(",")):
+                    for batch in (int(b) for b in args.batches.split(",")):
+                        row = measure(aha, paths, threads, batch, args.repeats)
+                        print_row(model, size, threads, batch, row)
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

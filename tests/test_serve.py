@@ -1,0 +1,352 @@
+"""`attr-engine serve` on a real Ray cluster: the command runs as its own process, joins a local two-CPU cluster the
+test starts, and answers real HTTP requests on 127.0.0.1 (httpx). Its maps equal `explain`'s (the local engine) for
+the same images and targets, for a gradient method and for AHA; :predict, the health routes, every kind of bad
+request (4xx, one line), and the replica is never restarted by any of them.
+
+The wire dtype is float32 by default, so maps are compared at float32 rounding: a replica batches instances of
+concurrent requests together, and a convolution's gradient rounds differently in another batch composition (about
+1e-7 of the map's scale; a wrong image, target or frame differs by the map's whole scale).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+ray = pytest.importorskip("ray")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("ray.serve")
+
+from ray import serve  # noqa: E402  (after the skips: without Ray Serve there is nothing to test)
+
+from attr_engine.aha import AHA, AHAConfig  # noqa: E402
+from attr_engine.checkpoint import load_safetensors  # noqa: E402
+from attr_engine.classifier import load_classifier  # noqa: E402
+from attr_engine.cli import main  # noqa: E402
+from attr_engine.imageops import data_config, decode_image, prepare_input  # noqa: E402
+from attr_engine.serve import InstanceError, ServeSettings, encode_map, read_image  # noqa: E402
+from tests.eval_helpers import single_thread, untrained_resnet_checkpoint  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+NAME = "tiny"
+FAST_AHA = {"n_fractions": 6, "n_iters": 8, "decoder_dim": 16, "class_dim": 8, "grid_range": (2, 6)}
+# Image name -> (height, width, mode, format): two aspect ratios (a NaN border on either side), greyscale, a JPEG.
+IMAGES = {"a.png": (40, 36, "RGB", "PNG"), "b.jpg": (33, 48, "RGB", "JPEG"), "c.png": (36, 52, "L", "PNG")}
+LIMITS = ["--max-image-bytes", "30000", "--max-pixels", "20000", "--min-side", "8", "--max-instances", "8",
+          "--max-request-bytes", "200000"]  # fmt: skip
+METHODS = {"gradient": ["--method", "gradient"], "aha": ["--method", "aha", "--aha", "{aha}"]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _png(array: np.ndarray, fmt: str = "PNG", **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, fmt, **kwargs)
+    return buffer.getvalue()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _decode_map(entry: dict) -> np.ndarray:
+    wire = entry["map"]
+    amap = np.frombuffer(base64.b64decode(wire["b64"]), dtype=np.dtype(wire["dtype"]).newbyteorder("<"))
+    assert wire["shape"] == [entry["height"], entry["width"]]
+    return amap.reshape(wire["shape"])
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread, as each replica has: the same arithmetic, and no spinning on 2 shared cores."""
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster of 2 CPUs that the servers join (--address), and the port of its HTTP proxy: every
+    server of the module listens there (Serve keeps the address it started with). The test reads Serve's status."""
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address, _free_port()
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A classifier checkpoint with its train.json (class names), an AHA for it, three images, and `explain`'s
+    maps of them (the local engine) for the predicted classes and for class 2, with each method."""
+    root = tmp_path_factory.mktemp("serve")
+    checkpoint = untrained_resnet_checkpoint(root)
+    _, meta = load_safetensors(checkpoint)
+    classifier = load_classifier(meta["model_name"], checkpoint=checkpoint)
+    classes = [f"class-{k}" for k in range(classifier.num_classes)]
+    (root / "train.json").write_text(json.dumps({"model": classifier.model_name, "classes": classes}))
+    torch.manual_seed(0)
+    AHA(classifier, AHAConfig(**FAST_AHA)).save(root / "aha")
+    rng = np.random.default_rng(0)
+    images = {}
+    for name, (h, w, mode, fmt) in IMAGES.items():
+        pixels = (rng.random((h, w, 3)) * 255).astype(np.uint8)
+        data = _png(
+            np.asarray(Image.fromarray(pixels).convert(mode)), fmt, **({"quality": 95} if fmt == "JPEG" else {})
+        )
+        (root / "images").mkdir(exist_ok=True)
+        (root / "images" / name).write_bytes(data)
+        images[name] = data
+    local = {}
+    for method, flags in METHODS.items():
+        for target in ("pred", "2"):
+            out = root / f"explain-{method}-{target}"
+            args = [a.replace("{aha}", str(root / "aha")) for a in flags]
+            assert main(["explain", str(root / "images"), "--classifier", str(checkpoint), "--out", str(out),
+                         "--no-progress", "--target", target, *args]) == 0  # fmt: skip
+            manifest = json.loads((out / "_manifest" / "rank0-of-1.json").read_text())
+            targets = {w["input"]: w["target"] for w in manifest["written"]}
+            local[method, target] = {n: (np.load(out / Path(n).with_suffix(".npy")), targets[n]) for n in IMAGES}
+    config = data_config(classifier, crop_pct=1.0)
+    with torch.no_grad():
+        x = torch.stack([prepare_input(decode_image(io.BytesIO(images[n])), config)[0] for n in IMAGES])
+        probabilities = classifier(x).softmax(1)
+    return {"root": root, "checkpoint": checkpoint, "images": images, "local": local, "classes": classes,
+            "probabilities": dict(zip(IMAGES, probabilities, strict=True))}  # fmt: skip
+
+
+def _replicas() -> list[str]:
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "SERVE_REPLICA" in a["name"])
+
+
+@pytest.fixture(scope="module", params=sorted(METHODS))
+def server(request, cluster, data):
+    """`attr-engine serve` in its own process, joined to the test's cluster; stopped with Ctrl-C at the end, which
+    must end it cleanly (exit status 0, no traceback)."""
+    method, (address, port) = request.param, cluster
+    args = [a.replace("{aha}", str(data["root"] / "aha")) for a in METHODS[method]]
+    command = [sys.executable, "-m", "attr_engine", "serve", "--classifier", str(data["checkpoint"]), *args,
+               "--name", NAME, "--port", str(port), "--address", address, *LIMITS]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    client = httpx.Client(base_url=url, timeout=120)
+    try:
+        line = proc.stdout.readline()  # printed once the model answers its readiness route
+        if not line:  # the command ended: its one line says why
+            raise AssertionError(proc.stderr.read())
+        assert line.startswith(f"serving {method} maps as {NAME!r} at {url}/v1/models/{NAME}"), line
+        yield {"method": method, "client": client, "replicas": _replicas(), "proc": proc}
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert f"stopped serving {NAME!r}" in err and "Traceback" not in err
+
+
+def _explain(client, instances: list[dict], verb: str = "explain") -> httpx.Response:
+    return client.post(f"/v1/models/{NAME}:{verb}", json={"instances": instances})
+
+
+def _assert_close(served: np.ndarray, local: np.ndarray) -> None:
+    assert served.dtype == np.float32 and served.shape == local.shape
+    assert np.array_equal(np.isnan(served), np.isnan(local)) and np.isnan(local).any()  # the crop's NaN border
+    scale = float(np.nanmax(np.abs(local)))
+    np.testing.assert_allclose(served, local, rtol=1e-5, atol=1e-5 * scale)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_explain_answers_the_local_engines_maps_targets_and_probabilities(server, data):
+    """Three images in one request (predicted classes) and the same with class 2: explain's maps, in the image's
+    frame, and the classifier's probability of each explained class."""
+    for target, wire_target in (("pred", None), ("2", 2)):
+        instances = [{"image": {"b64": _b64(data["images"][n])}, "target": wire_target} for n in IMAGES]
+        answer = _explain(server["client"], instances)
+        assert answer.status_code == 200, answer.text
+        entries = answer.json()["explanations"]
+        assert len(entries) == len(IMAGES)
+        for name, entry in zip(IMAGES, entries, strict=True):
+            local_map, local_target = data["local"][server["method"], target][name]
+            assert entry["error"] is None and entry["target"] == local_target
+            assert (entry["height"], entry["width"]) == IMAGES[name][:2]
+            assert entry["probability"] == pytest.approx(float(data["probabilities"][name][local_target]), rel=1e-5)
+            _assert_close(_decode_map(entry), local_map)
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_map(server, data):
+    """16 requests at once from 8 threads, each image with its own target: batched on the replica, yet every
+    answer is its own image's and target's map (a row mix-up would hand a request another image's map)."""
+    jobs = [(name, target) for name in IMAGES for target in (None, 2)] * 3
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda job: _explain(server["client"], [{"image": {"b64": _b64(data["images"][job[0]])},
+                                                                       "target": job[1]}]), jobs))  # fmt: skip
+    for (name, target), answer in zip(jobs, answers, strict=True):
+        assert answer.status_code == 200, answer.text
+        (entry,) = answer.json()["explanations"]
+        local_map, local_target = data["local"][server["method"], "pred" if target is None else "2"][name]
+        assert entry["target"] == local_target
+        _assert_close(_decode_map(entry), local_map)
+
+
+def test_predict_answers_the_class_its_probability_and_name(server, data):
+    instances = [{"image": {"b64": _b64(data["images"][n])}} for n in IMAGES]
+    answer = _explain(server["client"], instances, "predict")
+    assert answer.status_code == 200, answer.text
+    for name, entry in zip(IMAGES, answer.json()["predictions"], strict=True):
+        predicted = int(data["probabilities"][name].argmax())
+        assert entry["class"] == predicted == data["local"][server["method"], "pred"][name][1]
+        assert entry["probability"] == pytest.approx(float(data["probabilities"][name].max()), rel=1e-5)
+        assert entry["name"] == data["classes"][predicted] and entry["error"] is None  # from train.json
+
+
+def test_health_routes(server):
+    client = server["client"]
+    assert client.get("/").json() == {"status": "alive"}
+    assert client.get(f"/v1/models/{NAME}").json() == {"name": NAME, "ready": True}
+    assert client.get("/v1/models").json() == {"models": [NAME]}
+
+
+def _bomb() -> bytes:
+    """A 4000 x 4000 PNG of a few kilobytes: 16 megapixels once decompressed."""
+    return _png(np.zeros((4000, 4000), dtype=bool))
+
+
+BAD_REQUESTS = {
+    "not json": (b"{instances: [", 400, "not JSON"),
+    "no instances": (json.dumps({"inputs": []}).encode(), 400, "'instances'"),
+    "empty instances": (json.dumps({"instances": []}).encode(), 400, "empty"),
+    "too many instances": (json.dumps({"instances": [{}] * 9}).encode(), 413, "limit of 8"),
+    "instance not an object": (json.dumps({"instances": [3]}).encode(), 400, "must be an object"),
+    "missing image": (json.dumps({"instances": [{"target": 1}]}).encode(), 400, "needs 'image'"),
+    "unknown field": (json.dumps({"instances": [{"image": {"b64": ""}, "targte": 1}]}).encode(), 400, "'targte'"),
+    "not base64": (json.dumps({"instances": [{"image": {"b64": "!!!"}}]}).encode(), 400, "not valid base64"),
+    "not an image": (json.dumps({"instances": [{"image": {"b64": _b64(b"GIF89a nope")}}]}).encode(), 400, "not a PNG"),
+    "payload over the cap": (json.dumps({"instances": [{"image": {"b64": "A" * 40004}}]}).encode(), 413, "30000 bytes"),
+    "decompression bomb": (None, 413, "4000 x 4000 pixels"),
+    "too large in pixels": (None, 413, "more than the server's limit of 20000"),
+    "too small": (None, 400, "at least 8"),
+    "target out of range": (None, 400, "target 6 is not a class"),
+    "negative target": (None, 400, "target -1 is not a class"),
+    "target not an int": (None, 400, "must be a class index"),
+}
+
+
+def _bad_body(case: str, good: bytes) -> bytes:
+    body, _, _ = BAD_REQUESTS[case]
+    if body is not None:
+        return body
+    image, target = good, None
+    if case == "decompression bomb":
+        image = _bomb()
+        assert len(image) < 30000  # under the byte cap: the pixel count refuses it
+    elif case == "too large in pixels":
+        image = _png(np.zeros((150, 150, 3), np.uint8))
+    elif case == "too small":
+        image = _png(np.zeros((4, 40, 3), np.uint8))
+    else:
+        target = {"target out of range": 6, "negative target": -1, "target not an int": "2"}[case]
+    return json.dumps({"instances": [{"image": {"b64": _b64(image)}, "target": target}]}).encode()
+
+
+def test_bad_requests_get_4xx_and_one_line_and_the_replica_stays(server, data):
+    client, good = server["client"], data["images"]["a.png"]
+    for case, (_, status, words) in BAD_REQUESTS.items():
+        for verb in ("explain", "predict"):
+            answer = client.post(f"/v1/models/{NAME}:{verb}", content=_bad_body(case, good))
+            assert answer.status_code == status, (case, answer.text)
+            error = answer.json()["error"]
+            assert words in error and "\n" not in error and len(error) < 300, (case, error)
+    big = client.post(f"/v1/models/{NAME}:explain", content=b"x" * 300_000)  # over the body cap
+    assert big.status_code == 413 and "request body exceeds" in big.json()["error"]
+    for path, method, status in (("/v1/models/other:explain", "POST", 404), (f"/v1/models/{NAME}:explain", "GET", 405),
+                                 ("/nowhere", "GET", 404)):  # fmt: skip
+        answer = client.request(method, path)
+        assert answer.status_code == status and "\n" not in answer.json()["error"]
+    # Still answering, by the same replica: no request took it down.
+    answer = _explain(client, [{"image": {"b64": _b64(good)}}])
+    assert answer.status_code == 200 and answer.json()["explanations"][0]["error"] is None
+    assert _replicas() == server["replicas"] and len(server["replicas"]) == 1
+    status = serve.status().applications["attr-engine"]
+    assert status.status == "RUNNING" and status.deployments["ModelServer"].replica_states == {"RUNNING": 1}
+
+
+def test_a_bad_instance_gets_its_error_and_the_others_still_answer(server, data):
+    good = {"image": {"b64": _b64(data["images"]["b.jpg"])}, "target": None}
+    answer = _explain(server["client"], [good, {"image": {"b64": "!!"}}, {**good, "target": 99}, good])
+    assert answer.status_code == 200, answer.text
+    entries = answer.json()["explanations"]
+    assert [e["error"] is None for e in entries] == [True, False, False, True]
+    assert "base64" in entries[1]["error"] and "target 99" in entries[2]["error"] and entries[1]["map"] is None
+    local_map, _ = data["local"][server["method"], "pred"]["b.jpg"]
+    _assert_close(_decode_map(entries[3]), local_map)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Without a server: the wire encoding, the image checks, the command's own checks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_maps_on_the_wire_are_little_endian_float32_or_float16_with_a_range_check():
+    amap = np.array([[0.1, -2.5, np.nan], [1e-3, 3.0, 7.0]], np.float32)
+    wire = encode_map(amap, "float32")
+    assert wire["shape"] == [2, 3] and wire["dtype"] == "float32"
+    assert np.array_equal(np.frombuffer(base64.b64decode(wire["b64"]), "<f4").reshape(2, 3), amap, equal_nan=True)
+    half = encode_map(amap, "float16")
+    back = np.frombuffer(base64.b64decode(half["b64"]), "<f2").reshape(2, 3)
+    assert np.array_equal(back, amap.astype(np.float16), equal_nan=True)
+    with pytest.raises(InstanceError, match="float16's range"):
+        encode_map(np.array([[1e5]], np.float32), "float16")
+
+
+def test_an_image_is_checked_from_its_header_before_it_is_decoded():
+    settings = ServeSettings(max_pixels=20_000, min_side=8)
+    assert read_image(_png(np.zeros((20, 30, 3), np.uint8)), settings).size == (30, 20)
+    with pytest.raises(InstanceError, match="4000 x 4000") as bomb:
+        read_image(_bomb(), settings)
+    assert bomb.value.status == 413
+    with pytest.raises(InstanceError, match="not a PNG"):
+        read_image(_png(np.zeros((20, 20, 3), np.uint8), "BMP"), settings)  # a format PIL reads but we do not take
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--port", "70000"], "--port must be between 1 and 65535"),
+        (["--name", "a/b"], "name must be"),
+        (["--max-batch-size", "0"], "max-batch-size must be"),
+        (["--method", "gradeint"], "unknown method 'gradeint'"),
+        (["--method", "aha"], "--method aha needs --aha DIR"),
+    ],
+)
+def test_the_command_refuses_bad_flags_in_one_line_before_starting(tmp_path, capsys, flags, words):
+    checkpoint = untrained_resnet_checkpoint(tmp_path)
+    assert main(["serve", "--classifier", str(checkpoint), "--port", str(_free_port()), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1, err
+
+
+def test_the_command_refuses_a_port_in_use(tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "resnet10t", "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
