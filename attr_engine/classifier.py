@@ -30,7 +30,7 @@ from attr_engine.model_sources import (
     load_hf,
     split_source,
 )
-from kernels._validate import check_int_at_least, check_tensor
+from kernels.validate import check_int_at_least, check_tensor
 
 __all__ = [
     "MAX_FILE_IMG_SIZE",
@@ -76,7 +76,7 @@ def file_int(value: Any, name: str, source: object, *, high: int | None = None) 
     return number
 
 
-def _check_against_weights(
+def check_against_weights(
     name: str, create_kwargs: dict[str, Any], state: dict[str, torch.Tensor], source: object
 ) -> None:
     """Refuse a checkpoint whose sizes (``num_classes``, ``img_size``, model kwargs) do not fit its own weights,
@@ -417,7 +417,8 @@ def check_model_name(name: str) -> bool:
     return external
 
 
-def _accepts_img_size(name: str) -> bool:
+def accepts_img_size(name: str) -> bool:
+    """Whether timm's model ``name`` takes an ``img_size`` argument (its architecture depends on the input size)."""
     # timm marks models whose architecture is tied to the input size (ViT, Swin, ...) with fixed_input_size; those
     # take an img_size kwarg, while CNNs reject it (TypeError) and run at any size anyway.
     cfg = timm.models.get_pretrained_cfg(name)
@@ -483,10 +484,10 @@ def load_classifier(
     create_kwargs = dict(model_kwargs)
     if num_classes is not None:
         create_kwargs["num_classes"] = num_classes
-    if img_size is not None and (external or source == "torchvision" or _accepts_img_size(name)):
+    if img_size is not None and (external or source == "torchvision" or accepts_img_size(name)):
         create_kwargs["img_size"] = img_size
     if state is not None and not external:
-        _check_against_weights(name, create_kwargs, state, checkpoint)
+        check_against_weights(name, create_kwargs, state, checkpoint)
     model = _build(name, pretrained, create_kwargs, external, f"{checkpoint}: " if checkpoint is not None else "")
     if state is not None:
         try:

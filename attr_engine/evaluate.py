@@ -53,7 +53,7 @@ from attr_engine.metrics import (
     random_logit,
     top_k_mask_iou,
 )
-from kernels._validate import check_int_at_least
+from kernels.validate import check_int_at_least
 
 __all__ = ["DEFAULT_METRICS", "METRICS", "Leaderboard", "MetricSpec", "evaluate"]
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from kernels._validate import check_int_at_least
+from kernels.validate import check_int_at_least
 
 if TYPE_CHECKING:
     import torch

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attr_engine.jobs import AttributionJob, Item, ItemResult, build_classifier, build_explainer
-from kernels._validate import check_int_at_least
+from kernels.validate import check_int_at_least
 
 if TYPE_CHECKING:
     import numpy as np

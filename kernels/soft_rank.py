@@ -49,8 +49,8 @@ from torch.library import custom_op, triton_op, wrap_triton
 
 from kernels._backend import tl, triton, use_triton
 from kernels._tl_helpers import _lse_normaliser, _neg_lse, _online_lse, _pid, compute_dtype
-from kernels._validate import check_int_at_least, check_positive, check_tensor
 from kernels.sinkhorn import sinkhorn_eager
+from kernels.validate import check_int_at_least, check_positive, check_tensor
 
 # Smallest uniform draw before the double log of the Gumbel transform: keeps G finite (G >= -log(-log(1e-10)) ~ -3.1).
 _U_MIN = 1e-10

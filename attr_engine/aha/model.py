@@ -20,7 +20,7 @@ from attr_engine.aha.validation import ValData
 from attr_engine.classifier import Classifier
 from attr_engine.explainer import Explainer, register_explainer
 from attr_engine.imageops import reference_image
-from kernels._validate import check_int_at_least
+from kernels.validate import check_int_at_least
 
 __all__ = ["AHA"]
 

@@ -49,8 +49,8 @@ from attr_engine.checkpoint import (
 from attr_engine.classifier import (
     MAX_FILE_IMG_SIZE,
     Classifier,
-    _accepts_img_size,
-    _check_against_weights,
+    accepts_img_size,
+    check_against_weights,
     file_int,
     is_external_name,
 )
@@ -401,8 +401,8 @@ def check_loadable(
     check_state_shapes(probe, decoder_state, src / WEIGHTS_FILE, what)
     if name is not None and backbone_state and _registry_name(name):
         side = classifier.input_size[1] if classifier.input_size is not None else None
-        kwargs = {"img_size": side} if side is not None and _accepts_img_size(name) else {}
-        _check_against_weights(name, kwargs, backbone_state, src / WEIGHTS_FILE)
+        kwargs = {"img_size": side} if side is not None and accepts_img_size(name) else {}
+        check_against_weights(name, kwargs, backbone_state, src / WEIGHTS_FILE)
     return img_size
 
 

@@ -35,7 +35,7 @@ about ``N * window`` forward passes for the two searches plus ``2 H + 40`` for t
 ViT-B/16's 14 x 14 grid): the "slow optimum" the AHA paper times at 13 s per image. Everything runs batched over
 the images on their device: each greedy step classifies every image's candidates together, ``batch_size`` images
 per call, and the curves go through the metrics' curve engine
-(:func:`~attr_engine.metrics._curves.perturbation_curve`). The differences from the official code are listed in
+(:func:`~attr_engine.metrics.curves.perturbation_curve`). The differences from the official code are listed in
 docs/deviations.md ("MDA").
 """
 
@@ -51,10 +51,10 @@ from torch import nn
 from attr_engine.baselines.cam import is_vit, token_grid
 from attr_engine.classifier import Classifier
 from attr_engine.explainer import Explainer, get_explainer, resolve_explainer
-from attr_engine.metrics._curves import batched_logits, perturbation_curve, target_probability
+from attr_engine.metrics.curves import batched_logits, perturbation_curve, target_probability
 from attr_engine.metrics.perturbation import pixel_ranks
-from kernels._validate import check_int_at_least
 from kernels.region import cell_index
+from kernels.validate import check_int_at_least
 
 __all__ = ["MDA", "convex_fit", "default_grid", "mda_blur", "mda_blur_kernel", "search_window"]
 
