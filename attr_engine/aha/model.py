@@ -336,12 +336,20 @@ def _as_generator(generator: torch.Generator | int) -> torch.Generator:
     return torch.Generator().manual_seed(int(generator))
 
 
-def _registered(classifier: nn.Module, *, aha: AHA | None = None, **options: Any) -> AHA:
-    """The registry's ``"aha"``: a trained ``aha`` (for ``classifier``) with these options as its defaults.
+def _registered(classifier: nn.Module, *, aha: AHA | str | os.PathLike[str] | None = None, **options: Any) -> AHA:
+    """The registry's ``"aha"``: a trained ``aha`` (for ``classifier``, or the checkpoint directory to load it from)
+    with these options as its defaults.
 
     The seed of refinement defaults to 0 here (not ``config.seed``): what ``get_explainer("aha", ...)`` and the
     CLI have always used, so their refined maps stay the same.
     """
+    if isinstance(aha, (str, os.PathLike)):
+        if not isinstance(classifier, Classifier):
+            raise ValueError(f"an AHA checkpoint loads for a Classifier, got {type(classifier).__name__}")
+        try:
+            aha = AHA.load(aha, classifier)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"no AHA checkpoint in {aha}: {err}") from None
     if not isinstance(aha, AHA):
         raise ValueError(f"the 'aha' explainer needs a trained AHA passed as aha=..., got {type(aha).__name__}")
     if aha.classifier is not classifier:
