@@ -9,7 +9,9 @@ The classifier sees the image as timm's evaluation transform cuts it (resize the
 ``input / crop_pct``, centre crop, the model's interpolation: :func:`attr_engine.imageops.data_config`); the map
 is then written in the original image's frame, pixel for pixel aligned with it, the border the crop cut away
 ``NaN`` (and left uncoloured in the overlay). ``--model-frame`` keeps the map at the classifier's input size.
-Every output is written atomically (temporary file, then rename), so a killed run leaves nothing half-written, and
+The run itself is :func:`attr_engine.jobs.explain`: this module parses the flags into a job, opens the engine, calls
+it and prints. Every output is written atomically (temporary file, then rename), so a killed run leaves nothing
+half-written, and
 running the same command again does only what is missing. An input counts as done when its outputs exist, read back
 as valid files of the expected shape, *and* the journal says they were made with the current settings: after each
 input's outputs are in place, a line naming them and a digest of the settings is appended to
@@ -32,9 +34,9 @@ same files, the same journal and settings, so either engine resumes the other's 
 this loop would form, so deterministic methods give the same maps bit for bit.
 
 Unreadable images are reported one line each and listed in the manifest; the others are still written and the exit
-status stays 0 (a single unreadable input file is an error). A map with NaN or infinite values (outside the NaN
-border of a map in the image's frame) is never written: it is reported and listed as ``failed``, the rest goes on,
-and the exit status is 1.
+status stays 0, unless every input was unreadable: nothing written is an error (one line, status 2). A map with
+NaN or infinite values (outside the NaN border of a map in the image's frame) is never written: it is reported and
+listed as ``failed``, the rest goes on, and the exit status is 1.
 """
 
 from __future__ import annotations
