@@ -31,6 +31,7 @@ loads it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import io
 import logging
@@ -40,8 +41,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from attr_engine.jobs import AttributionJob, Item, ItemResult, build_classifier, build_explainer
-from kernels._validate import check_int_at_least
+from attr_engine.jobs import AttributionJob, Item, ItemResult
+from kernels.validate import check_int_at_least
 
 if TYPE_CHECKING:
     import numpy as np
@@ -53,6 +54,7 @@ __all__ = [
     "AttributionJob",
     "BatchAttributor",
     "ItemResult",
+    "RayEngine",
     "RemoteWorkerError",
     "attribute_dataset",
     "explain_items",
@@ -116,15 +118,12 @@ class BatchAttributor:
         import torch
 
         from attr_engine.distributed import local_device
-        from attr_engine.imageops import data_config
 
         self.job = job
         self.device = local_device(job.device)
-        self.classifier = build_classifier(job, self.device)
-        # A checkpoint from train-classifier learnt on whole frames (crop 1.0); a timm model on timm's crop.
-        crop_pct = job.crop_pct if job.crop_pct is not None else (1.0 if job.classifier else None)
-        self.config = job.preprocess or data_config(self.classifier, img_size=job.img_size, crop_pct=crop_pct)
-        self.explainer = build_explainer(job, self.classifier)
+        self.classifier = job.load_classifier(self.device)
+        self.config = job.data_config(self.classifier)
+        self.explainer = job.get_explainer(self.classifier)
         torch.manual_seed(job.seed)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -590,3 +589,28 @@ def _rows(ds: ray.data.Dataset, items: list[Item], job: AttributionJob) -> Itera
         # float32 in the column, as in the local engine's tensor: the same double, the same caption.
         probability = float(row["probability"])
         yield ItemResult(item, torch.from_numpy(row["map"].copy()), shown, int(row["target"]), probability=probability)
+
+
+@dataclasses.dataclass(frozen=True)
+class RayEngine:
+    """The Ray engine for :func:`attr_engine.jobs.explain`: the job's maps from an actor pool
+    (:func:`explain_items`), written by the caller as the local engine's are.
+
+    Args:
+        actors: actors in the pool; ``num_gpus``: GPUs per actor (:func:`plan_actors`).
+        address: the cluster (:func:`ray_session`); ``verbose``: Ray's own messages.
+    """
+
+    actors: int = 1
+    num_gpus: float = 0.0
+    address: str | None = None
+    verbose: bool = False
+
+    def __call__(
+        self, job: AttributionJob, items: list[Item], *, classifier: Any, explainer: Any, config: Any, limit: int
+    ) -> Iterator[ItemResult]:
+        """``classifier``, ``explainer``, ``config``: the driver's, unused (every actor builds its own from the job);
+        ``limit``: the caller stops reading once it has written that many maps."""
+        return explain_items(
+            job, items, actors=self.actors, num_gpus=self.num_gpus, address=self.address, verbose=self.verbose
+        )

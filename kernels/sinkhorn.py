@@ -42,7 +42,7 @@ from kernels import _sinkhorn_core as core
 from kernels._backend import tl, triton, use_triton
 from kernels._sinkhorn_core import _cost_tile
 from kernels._tl_helpers import _lse, _pid, compute_dtype
-from kernels._validate import check_int_at_least, check_positive, check_tensor
+from kernels.validate import check_int_at_least, check_positive, check_tensor
 
 # The reference works on slabs of the batch so that its N x N temporaries stay ~16 MiB (fp32) whatever B is.
 _CHUNK_ELEMENTS = 1 << 22

@@ -175,10 +175,11 @@ def test_max_cost_lifts_the_budget(checkpoint, images, tmp_path, capsys):
     assert "--max-cost 30000" in _error_line(capsys)
     from attr_engine.baselines.cost import method_cost
     from attr_engine.classifier import load_classifier
-    from attr_engine.cli._common import build_explainer, check_cost
+    from attr_engine.cli._common import check_cost
+    from attr_engine.explainer import get_explainer
 
     clf = load_classifier("resnet18", num_classes=3)
-    rise = build_explainer("rise", clf, options={"n_masks": 30000})
+    rise = get_explainer("rise", clf, n_masks=30000)
     assert method_cost(rise, 32, 32).passes == 30000
     check_cost(rise, 32, 30000, "rise")  # within the lifted budget: no error
     check_cost(rise, 32, 0, "rise")  # 0: no bound
