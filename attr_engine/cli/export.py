@@ -84,7 +84,10 @@ def run_export(args: argparse.Namespace) -> int:
 
     classifier = load_classifier(**classifier_args(args, img_size=args.img_size)).to(device)
     check_input_side(classifier, args.img_size or (classifier.input_size[1] if classifier.input_size else 224))
+    from attr_engine.aha import AHA
+
     explainer = get_explainer("aha", classifier, aha=args.aha)
+    assert isinstance(explainer, AHA)  # the registry's "aha" is AHA
     names = _class_names(args.class_names)
     try:
         from attr_engine.aha.export import check_exportable
