@@ -17,8 +17,8 @@ from torch import nn
 
 from attr_engine.classifier import Classifier
 from attr_engine.explainer import (
-    _KEEP,
     PERTURBATION_ALLOWANCE,
+    REDUCE_UNSET,
     Explainer,
     get_explainer,
     image_range_check,
@@ -94,13 +94,13 @@ def quantus_explain_func(method: Explainer | str, **options: Any) -> Any:
         classifier = as_classifier(model)
         bound = explainer.rebind(classifier) if explainer is not None else get_explainer(name, classifier, **options)
         call = {**defaults, **kwargs}
-        reduce = call.pop("reduce", _KEEP)
+        reduce = call.pop("reduce", REDUCE_UNSET)
         device = bound.device
         x = torch.as_tensor(np.asarray(inputs), dtype=torch.float32, device=device)
         target = None if targets is None else torch.as_tensor(np.asarray(targets), device=device).long()
         if target is not None and target.ndim == 0:
             target = target.expand(x.shape[0])
-        if not (reduce is _KEEP or bound.per_channel):
+        if not (reduce is REDUCE_UNSET or bound.per_channel):
             raise ValueError(f"{bound.name} gives one value per pixel: it takes no reduce argument")
         with image_range_check(PERTURBATION_ALLOWANCE):
             maps = bound.attribute(x, target, reduce=reduce, keepdim=True, **call)
@@ -176,7 +176,7 @@ class CaptumAdapter:
             x,
             target,
             baselines,
-            reduce=None if per_channel else _KEEP,
+            reduce=None if per_channel else REDUCE_UNSET,
             return_convergence_delta=delta,
             **options,
         )

@@ -7,6 +7,12 @@ writes: a claim is a file in ``OUT/_manifest/claims/`` named after the digest, h
 same settings (the shards of a torchrun job, a rerun) share the directory. The lock dies with its process, so the
 claim of a killed job is recognised as stale and removed, and never blocks a rerun.
 
+Within a directory, jobs of the same settings share the *items*: :class:`ItemClaims` holds one byte-range lock
+per output (``fcntl.lockf`` on ``OUT/_manifest/claims/items.lock`` at an offset hashed from the output's name) while
+a job computes and writes it, so a second job skips what the first is working on and comes back to it at the end
+(done by then, or its job died and the lock with it). One file serves any number of items; a killed job's locks go
+with its process.
+
 Claims are checked and made under a short exclusive lock on ``OUT/_manifest/claims/.lock``, together with the
 caller's own check of the settings already recorded in the directory, so two jobs started at the same moment
 cannot both pass. Where ``fcntl`` does not exist (Windows) claims are not made: the recorded settings are still
@@ -16,6 +22,7 @@ checked, without the guarantee against a concurrent job.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -28,7 +35,7 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["CLAIMS_DIR", "OutputInUseError", "claim_output"]
+__all__ = ["CLAIMS_DIR", "ItemClaims", "OutputInUseError", "claim_output"]
 
 CLAIMS_DIR = Path("_manifest") / "claims"
 _SUFFIX = ".claim"
@@ -132,3 +139,58 @@ def claim_output(
     finally:
         mine.unlink(missing_ok=True)
         os.close(fd)
+
+
+class ItemClaims:
+    """Per-output claims in one directory, shared by the live jobs of one settings digest (see the module docstring).
+
+    A process holds at most one lock per output; POSIX record locks belong to the process, so two claimers in one
+    process do not exclude each other (jobs sharing a directory are separate processes). Without ``fcntl`` every
+    claim succeeds: each job then does all of its items, as before claims existed.
+
+    Args:
+        out: the output directory.
+    """
+
+    # Offsets below 2**62: a byte-range lock needs no file that large, and 62 bits make collisions negligible.
+    _SPAN = 1 << 62
+
+    def __init__(self, out: str | os.PathLike[str]) -> None:
+        self._fd: int | None = None
+        self._held: set[int] = set()
+        if fcntl is not None:
+            root = Path(out) / CLAIMS_DIR
+            root.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(root / "items.lock", os.O_RDWR | os.O_CREAT, 0o666)
+
+    def _offset(self, key: str) -> int:
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % self._SPAN
+
+    def try_claim(self, key: str) -> bool:
+        """Claim output ``key`` (its path under the directory) without waiting; False when another job holds it."""
+        if self._fd is None:
+            return True
+        offset = self._offset(key)
+        if offset in self._held:
+            return True
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
+        except OSError:  # EACCES or EAGAIN: held by another process
+            return False
+        self._held.add(offset)
+        return True
+
+    def release(self, key: str) -> None:
+        """Give output ``key`` back (after its files and journal line are written, or when it is skipped)."""
+        offset = self._offset(key)
+        if self._fd is None or offset not in self._held:
+            return
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, offset)
+        self._held.discard(offset)
+
+    def close(self) -> None:
+        """Release every claim (closing the file drops the process's locks on it)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            self._held.clear()

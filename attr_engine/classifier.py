@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import hashlib
 import json
 import os
 import re
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import timm
@@ -26,25 +28,31 @@ from attr_engine.model_sources import (
     as_hf_adapter,
     build_torchvision,
     check_torchvision_name,
+    hub_reachable_or_offline,
     is_hf_classifier,
     is_torchvision_vit,
     load_hf,
     split_source,
 )
-from kernels._validate import check_int_at_least, check_tensor
+from kernels.validate import check_int_at_least, check_tensor
 
 __all__ = [
     "CPU_PIXELS_PER_CALL",
     "MAX_FILE_IMG_SIZE",
     "Classifier",
+    "accepts_img_size",
+    "check_against_weights",
     "check_device",
     "check_model_name",
+    "checkpoint_model_name",
+    "classifier_fingerprint",
     "eval_mode",
     "file_int",
     "images_per_call",
     "input_dtype",
     "is_external_name",
     "load_classifier",
+    "load_error",
     "model_device",
     "resolve_targets",
     "save_classifier",
@@ -79,7 +87,7 @@ def file_int(value: Any, name: str, source: object, *, high: int | None = None) 
     return number
 
 
-def _check_against_weights(
+def check_against_weights(
     name: str, create_kwargs: dict[str, Any], state: dict[str, torch.Tensor], source: object
 ) -> None:
     """Refuse a checkpoint whose sizes (``num_classes``, ``img_size``, model kwargs) do not fit its own weights,
@@ -460,7 +468,8 @@ def check_model_name(name: str) -> bool:
     return external
 
 
-def _accepts_img_size(name: str) -> bool:
+def accepts_img_size(name: str) -> bool:
+    """Whether timm's model ``name`` takes an ``img_size`` argument (its architecture depends on the input size)."""
     # timm marks models whose architecture is tied to the input size (ViT, Swin, ...) with fixed_input_size; those
     # take an img_size kwarg, while CNNs reject it (TypeError) and run at any size anyway.
     cfg = timm.models.get_pretrained_cfg(name)
@@ -468,19 +477,22 @@ def _accepts_img_size(name: str) -> bool:
 
 
 def load_classifier(
-    name: str,
+    name: str | None = None,
     *,
     pretrained: bool = False,
     num_classes: int | None = None,
     img_size: int | None = None,
     checkpoint: str | os.PathLike[str] | None = None,
+    seed: int | None = None,
     **model_kwargs: Any,
 ) -> Classifier:
     """Build a timm, torchvision or Hugging Face model by name and wrap it in a frozen :class:`Classifier`.
 
     Args:
-        name: timm model name (``timm.list_models()``, optionally with a pretrained tag such as
-            ``"resnet50.a1_in1k"``), an ``"hf-hub:org/repo"`` / ``"local-dir:path"`` name timm resolves,
+        name: the architecture; ``None`` reads it from ``checkpoint`` (a name that points outside a registry, see
+            :func:`is_external_name`, must then be confirmed by passing it). A timm model name
+            (``timm.list_models()``, optionally with a pretrained tag such as ``"resnet50.a1_in1k"``), an
+            ``"hf-hub:org/repo"`` / ``"local-dir:path"`` name timm resolves,
             ``"torchvision:<builder>"`` (``"torchvision:resnet50"``) or ``"hf:<repo id or directory>"`` (a
             transformers image classifier, the ``hf`` extra): see :mod:`attr_engine.model_sources`.
         pretrained: download the source's pretrained weights (needs network access on first use): timm's,
@@ -493,14 +505,107 @@ def load_classifier(
             buffers included), loaded strictly. Files written by :func:`save_classifier` also carry
             ``num_classes``, ``img_size``, model kwargs and mean/std, used wherever the caller leaves them unset.
             Not for ``hf:`` models, whose weights are a ``save_pretrained`` directory named as ``"hf:DIR"``.
+        seed: seeds the build (torch's global generator is left as it was), so random weights are the same in
+            every process that builds them; ``None``: the global generator as it is.
         **model_kwargs: forwarded to ``timm.create_model`` (e.g. ``depth=4, embed_dim=96``), torchvision's builder
             or transformers' ``from_pretrained`` / config.
 
     Raises:
         ValueError: unknown model name (with close matches), a checkpoint that is corrupt, was written for
-            another architecture or does not match it (naming the file).
+            another architecture or does not match it (naming the file), a build or download that fails (one line;
+            offline with the weights not cached says so).
+        FileNotFoundError: the checkpoint is missing.
         ImportError: an ``hf:`` name without transformers installed.
     """
+    if name is None:
+        if checkpoint is None:
+            raise ValueError("no classifier: pass a model name or checkpoint=PATH")
+        name = checkpoint_model_name(checkpoint)
+    if pretrained and checkpoint is None:
+        hub_reachable_or_offline()
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        try:
+            return _load_named(
+                name, pretrained=pretrained, num_classes=num_classes, img_size=img_size, checkpoint=checkpoint,
+                **model_kwargs,
+            )  # fmt: skip
+        except (RuntimeError, OSError) as err:
+            raise load_error(name, pretrained, err) from None
+
+
+def checkpoint_model_name(checkpoint: str | os.PathLike[str]) -> str:
+    """The architecture a classifier checkpoint records (``save_classifier``'s ``model_name``).
+
+    A name read from a file must be in a registry (timm's, torchvision's): a file may not send the loader to the hub
+    or to another directory on its own; the caller confirms such a name by passing it.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: not a safetensors file, no recorded name, an external name.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(checkpoint)
+    if not path.is_file():
+        raise FileNotFoundError(f"classifier checkpoint not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            saved = (f.metadata() or {}).get("model_name")
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise ValueError(f"{path} is not a valid classifier checkpoint (safetensors): {err}") from None
+    if saved is None:
+        raise ValueError(f"{path} does not record its architecture; name it with --model NAME")
+    if is_external_name(saved):
+        raise ValueError(
+            f"{path} names the model {saved!r}, which is not in timm's registry; pass --model to confirm it"
+        )
+    return saved
+
+
+def load_error(name: str, pretrained: bool, err: BaseException) -> Exception:
+    """What a failed build of the model ``name`` means to a user, as one line.
+
+    Pretrained downloads fail as RuntimeError / OSError (no network, no such tag on the hub); the hub's offline
+    miss is a FileNotFoundError too.
+    """
+    if pretrained and os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+        return ValueError(
+            f"cannot load {name!r} with --pretrained: the Hugging Face hub is unreachable (offline) and its weights "
+            "are not in the local cache"
+        )
+    if isinstance(err, FileNotFoundError):
+        return FileNotFoundError(str(err))
+    return ValueError(f"cannot load {name!r}: {' '.join(str(err).split())[:300]}")
+
+
+def classifier_fingerprint(classifier: Classifier) -> str:
+    """A short hash of the classifier's architecture and weights: what an AHA checkpoint and an ``explain`` output
+    record of the classifier they were made for.
+
+    Parameter names, shapes and per-tensor float64 sums (rounded, so the same weights on another device or after a
+    save/load round trip give the same hash) identify a model without hashing every byte.
+    """
+    digest = hashlib.sha256()
+    for name, value in classifier.model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(str(tuple(value.shape)).encode())
+        if value.is_floating_point() and value.numel():
+            v = value.detach().double()
+            digest.update(f"{v.sum().item():.6e}/{v.abs().sum().item():.6e}".encode())
+    return digest.hexdigest()[:16]
+
+
+def _load_named(
+    name: str,
+    *,
+    pretrained: bool = False,
+    num_classes: int | None = None,
+    img_size: int | None = None,
+    checkpoint: str | os.PathLike[str] | None = None,
+    **model_kwargs: Any,
+) -> Classifier:
+    """:func:`load_classifier` once the model's name is known."""
     external = check_model_name(name)
     source = split_source(name)[0]
     if pretrained and checkpoint is not None:
@@ -526,10 +631,10 @@ def load_classifier(
     create_kwargs = dict(model_kwargs)
     if num_classes is not None:
         create_kwargs["num_classes"] = num_classes
-    if img_size is not None and (external or source == "torchvision" or _accepts_img_size(name)):
+    if img_size is not None and (external or source == "torchvision" or accepts_img_size(name)):
         create_kwargs["img_size"] = img_size
     if state is not None and not external:
-        _check_against_weights(name, create_kwargs, state, checkpoint)
+        check_against_weights(name, create_kwargs, state, checkpoint)
     model = _build(name, pretrained, create_kwargs, external, f"{checkpoint}: " if checkpoint is not None else "")
     if state is not None:
         try:

@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import torch
 
-from kernels._validate import check_int_at_least
+from kernels.validate import check_int_at_least
 
 __all__ = ["local_device", "process_rank", "shard"]
 

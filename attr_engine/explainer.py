@@ -39,7 +39,7 @@ from torch import nn
 
 from attr_engine.classifier import Classifier, check_device, eval_mode, input_dtype, resolve_targets
 from attr_engine.imageops import REFERENCES, resolve_reference
-from kernels._validate import check_tensor
+from kernels.validate import check_tensor
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -71,7 +71,7 @@ __all__ = [
 
 # Channel reductions of a per-channel (B, C, H, W) attribution to one value per pixel (B, H, W).
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "abs", "abs-sum", "norm", "input")
-_KEEP: Any = object()  # "no reduce argument given": the method's own display reduction
+REDUCE_UNSET: Any = object()  # "no reduce argument given": the method's own display reduction
 
 
 def reduce_channels(
@@ -539,7 +539,7 @@ class Explainer:
         target: int | Sequence[int] | torch.Tensor | float | str | None = None,
         baselines: Any = None,
         *,
-        reduce: str | None = _KEEP,
+        reduce: str | None = REDUCE_UNSET,
         keepdim: bool = False,
         return_convergence_delta: bool = False,
         **options: Any,
@@ -590,7 +590,7 @@ class Explainer:
         _check_values(x)
         if self.channels is not None and x.shape[1] != self.channels:
             raise ValueError(f"x must be (B, {self.channels}, H, W) RGB images, got shape {tuple(x.shape)}")
-        if reduce is _KEEP:
+        if reduce is REDUCE_UNSET:
             reduce = self.display_reduce
         elif not self.per_channel:
             raise ValueError(f"{self.name} gives one value per pixel: it takes no reduce argument")

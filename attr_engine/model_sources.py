@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
+import socket
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -40,6 +43,7 @@ __all__ = [
     "as_hf_adapter",
     "build_torchvision",
     "check_torchvision_name",
+    "hub_reachable_or_offline",
     "import_transformers",
     "is_hf_classifier",
     "is_torchvision_vit",
@@ -344,3 +348,25 @@ def load_hf(
     adapter = HFImageClassifier(model)
     adapter.pretrained_cfg = _hf_processor_cfg(processor, ident, img_size)
     return adapter
+
+
+HUB_HOST = ("huggingface.co", 443)
+
+
+def hub_reachable_or_offline(timeout: float = 3.0) -> bool:
+    """Probe the Hugging Face hub once; when it cannot be reached, switch the hub client to offline mode.
+
+    Offline, weights already in the local cache still load and missing ones fail at once with one error, instead
+    of the client's retries (about 45 s of them). Returns whether the hub answered.
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+        return False
+    try:
+        with socket.create_connection(HUB_HOST, timeout=timeout):
+            return True
+    except OSError:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        constants = sys.modules.get("huggingface_hub.constants")
+        if constants is not None:  # already imported: it read the variable at import time
+            constants.HF_HUB_OFFLINE = True  # type: ignore[attr-defined]  # a module's globals are not typed
+        return False

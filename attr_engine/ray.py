@@ -31,6 +31,7 @@ loads it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import io
 import logging
@@ -40,8 +41,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from attr_engine.jobs import AttributionJob, Item, ItemResult, build_classifier, build_explainer
-from kernels._validate import check_int_at_least
+from attr_engine.jobs import AttributionJob, Item, ItemResult
+from kernels.validate import check_int_at_least
 
 if TYPE_CHECKING:
     import numpy as np
@@ -53,6 +54,7 @@ __all__ = [
     "AttributionJob",
     "BatchAttributor",
     "ItemResult",
+    "RayEngine",
     "RemoteWorkerError",
     "attribute_dataset",
     "explain_items",
@@ -116,15 +118,12 @@ class BatchAttributor:
         import torch
 
         from attr_engine.distributed import local_device
-        from attr_engine.imageops import data_config
 
         self.job = job
         self.device = local_device(job.device)
-        self.classifier = build_classifier(job, self.device)
-        # A checkpoint from train-classifier learnt on whole frames (crop 1.0); a timm model on timm's crop.
-        crop_pct = job.crop_pct if job.crop_pct is not None else (1.0 if job.classifier else None)
-        self.config = job.preprocess or data_config(self.classifier, img_size=job.img_size, crop_pct=crop_pct)
-        self.explainer = build_explainer(job, self.classifier)
+        self.classifier = job.load_classifier(self.device)
+        self.config = job.data_config(self.classifier)
+        self.explainer = job.get_explainer(self.classifier)
         torch.manual_seed(job.seed)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -474,25 +473,31 @@ def plan_actors(actors: int, gpus_per_actor: float | None, device: str, *, stric
 
 
 # Ray's wrappers of an actor's error: the actor's own exception is the one inside them.
-_RAY_WRAPPERS = ("RayError", "RayTaskError", "RayActorError", "UserCodeException", "RayDataUserCodeException")
+_RAY_WRAPPERS = ("RayError", "RayTaskError", "RayActorError", "UserCodeException", "RayDataUserCodeException",
+                 "SystemException", "ActorDiedError")  # fmt: skip
+
+
+def _is_ray_error(err: BaseException) -> bool:
+    """An exception of Ray's own (``ray.exceptions``, ``ray.data.exceptions``, a task error's dynamic class)."""
+    return type(err).__module__.split(".")[0] == "ray"
 
 
 def _one_line(err: BaseException) -> tuple[str, str]:
     """The class name and message of the error an actor raised, out of Ray's wrapping (task, Ray Data user-code and
-    actor-death errors: the actor's exception object where Ray kept it, else the last line of its traceback that
-    names an exception other than Ray's own)."""
+    system errors, actor deaths): the actor's exception object where Ray kept it, else the last line of Ray's text
+    that names an exception other than Ray's own."""
     import re
 
-    import ray
-
-    inner: BaseException | None = err
-    for _ in range(8):  # Ray's wrappers, innermost last
-        if not isinstance(inner, ray.exceptions.RayError):
+    chain = [err]
+    while _is_ray_error(chain[-1]) and len(chain) < 8:
+        inner = getattr(chain[-1], "cause", None) or chain[-1].__cause__ or chain[-1].__context__
+        if not isinstance(inner, BaseException):
             break
-        inner = getattr(inner, "cause", None) or inner.__cause__
-    if inner is not None and not isinstance(inner, ray.exceptions.RayError):
+        chain.append(inner)
+    if not _is_ray_error(chain[-1]):
+        inner = chain[-1]
         return type(inner).__name__, " ".join(str(inner).split()) or type(inner).__name__
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # Ray colours the actor's name
+    text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(str(e) for e in chain))  # Ray colours the actor's name
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for line in reversed(lines):
         match = re.match(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception))(?:\(\w+\))?: (.+)$", line)
@@ -550,7 +555,6 @@ def explain_items(
 
 def _rows(ds: ray.data.Dataset, items: list[Item], job: AttributionJob) -> Iterator[ItemResult]:
     """The job's output rows as ItemResults, each input once; an actor's failure as one line."""
-    import ray
     import torch
 
     seen: set[int] = set()
@@ -560,7 +564,9 @@ def _rows(ds: ray.data.Dataset, items: list[Item], job: AttributionJob) -> Itera
             row = next(rows)
         except StopIteration:
             return
-        except ray.exceptions.RayError as err:  # Ray Data's UserCodeException and actor deaths are RayErrors
+        except Exception as err:  # Ray's task, user-code and system errors, actor deaths
+            if not _is_ray_error(err):
+                raise
             kind, message = _one_line(err)
             # The actor's own line, as the local engine would print it for the same error.
             raise RemoteWorkerError(message, kind) from None
@@ -583,3 +589,28 @@ def _rows(ds: ray.data.Dataset, items: list[Item], job: AttributionJob) -> Itera
         # float32 in the column, as in the local engine's tensor: the same double, the same caption.
         probability = float(row["probability"])
         yield ItemResult(item, torch.from_numpy(row["map"].copy()), shown, int(row["target"]), probability=probability)
+
+
+@dataclasses.dataclass(frozen=True)
+class RayEngine:
+    """The Ray engine for :func:`attr_engine.jobs.explain`: the job's maps from an actor pool
+    (:func:`explain_items`), written by the caller as the local engine's are.
+
+    Args:
+        actors: actors in the pool; ``num_gpus``: GPUs per actor (:func:`plan_actors`).
+        address: the cluster (:func:`ray_session`); ``verbose``: Ray's own messages.
+    """
+
+    actors: int = 1
+    num_gpus: float = 0.0
+    address: str | None = None
+    verbose: bool = False
+
+    def __call__(
+        self, job: AttributionJob, items: list[Item], *, classifier: Any, explainer: Any, config: Any, limit: int
+    ) -> Iterator[ItemResult]:
+        """``classifier``, ``explainer``, ``config``: the driver's, unused (every actor builds its own from the job);
+        ``limit``: the caller stops reading once it has written that many maps."""
+        return explain_items(
+            job, items, actors=self.actors, num_gpus=self.num_gpus, address=self.address, verbose=self.verbose
+        )

@@ -52,8 +52,8 @@ from ray import serve
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from attr_engine.jobs import AttributionJob, build_classifier, build_explainer
-from kernels._validate import check_int_at_least
+from attr_engine.jobs import AttributionJob
+from kernels.validate import check_int_at_least
 
 if TYPE_CHECKING:
     import numpy as np
@@ -308,10 +308,10 @@ class ModelServer:
         torch.set_num_threads(settings.threads)
         self.job, self.settings = job, settings
         self.device = local_device(job.device)
-        self.classifier = build_classifier(job, self.device)
+        self.classifier = job.load_classifier(self.device)
         crop_pct = job.crop_pct if job.crop_pct is not None else (1.0 if job.classifier else None)
         self.config = job.preprocess or data_config(self.classifier, img_size=job.img_size, crop_pct=crop_pct)
-        self.explainer = build_explainer(job, self.classifier)
+        self.explainer = job.get_explainer(self.classifier)
         self.names = class_names(job, self.classifier)
         # The decorator's sizes are placeholders: these settings are known only now (Ray Serve's documented setters).
         batching = cast(Any, self._batch)

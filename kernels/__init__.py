@@ -8,16 +8,20 @@ Public ops (each differentiable where it matters; see each docstring for shapes)
   (optionally Gaussian-smoothed, as AHA trains).
 - :func:`soft_gate` / :func:`soft_maxpool2d` - exact activations whose backward uses a softened gate.
 
-:func:`set_backend` chooses between the Triton kernels and the references (see :mod:`kernels._backend`).
+:func:`set_backend` chooses between the Triton kernels and the references (see :mod:`kernels._backend`);
+:func:`compute_dtype` is the arithmetic dtype every op uses for an I/O dtype, for code that mirrors an op outside
+``kernels``. Input checks shared with ``attr_engine`` live in :mod:`kernels.validate`.
 """
 
 from kernels._backend import get_backend, set_backend
+from kernels._tl_helpers import compute_dtype
 from kernels.region import region_pool, soft_mask_blend
 from kernels.sinkhorn import sinkhorn
 from kernels.soft_gates import soft_gate, soft_maxpool2d
 from kernels.soft_rank import soft_topk_masks
 
 __all__ = [
+    "compute_dtype",
     "get_backend",
     "region_pool",
     "set_backend",

@@ -45,7 +45,7 @@ from torch.library import custom_op, triton_op, wrap_triton
 
 from kernels._backend import tl, triton, use_triton
 from kernels._tl_helpers import _pid, compute_dtype, tl_compute_dtype
-from kernels._validate import check_int_at_least, check_offset, check_same, check_tensor
+from kernels.validate import check_int_at_least, check_offset, check_same, check_tensor
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Grid geometry

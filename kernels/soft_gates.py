@@ -32,7 +32,7 @@ from torch.library import triton_op, wrap_triton
 
 from kernels._backend import tl, triton, use_triton
 from kernels._tl_helpers import _pid, compute_dtype
-from kernels._validate import check_int_at_least, check_positive, check_tensor
+from kernels.validate import check_int_at_least, check_positive, check_tensor
 
 SOFT_GATE_KINDS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "silu")
 # Defaults from the Semantic Pullback paper (tanh-GELU shares GELU's gate and temperature).

@@ -45,8 +45,8 @@ from kernels import _sinkhorn_core as core
 from kernels._backend import tl, triton, use_triton
 from kernels._sinkhorn_core import _gumbel, _line_lse, _line_tile
 from kernels._tl_helpers import _lse_normaliser, _pid, compute_dtype
-from kernels._validate import check_int_at_least, check_positive, check_tensor
 from kernels.sinkhorn import sinkhorn_reference
+from kernels.validate import check_int_at_least, check_positive, check_tensor
 
 # Smallest uniform draw before the double log of the Gumbel transform: keeps G finite (G >= -log(-log(1e-10)) ~ -3.1).
 _U_MIN = 1e-10

@@ -139,7 +139,7 @@ def test_interrupted_explain_resumes_without_redoing_work(checkpoint, tmp_path, 
     assert len(first) == 2
 
     # Ctrl-C in the middle of the third write of the next run: what was written stays, nothing half-written appears.
-    real_write, calls = jobs._write_map, []
+    real_write, calls = jobs.outputs._write_map, []
 
     def interrupted(amap, path, fmt, meta):
         calls.append(path)
@@ -147,13 +147,13 @@ def test_interrupted_explain_resumes_without_redoing_work(checkpoint, tmp_path, 
             raise KeyboardInterrupt
         real_write(amap, path, fmt, meta)
 
-    monkeypatch.setattr(jobs, "_write_map", interrupted)
+    monkeypatch.setattr(jobs.outputs, "_write_map", interrupted)
     assert _explain(checkpoint, src, out) == 130
     assert "interrupted" in capsys.readouterr().err
     assert len(list(out.glob("*.npy"))) == 4
     (out / ".img6.npy.abc123.tmp").write_bytes(b"torn")  # what a killed writer can leave behind: ignored
 
-    monkeypatch.setattr(jobs, "_write_map", real_write)
+    monkeypatch.setattr(jobs.outputs, "_write_map", real_write)
     assert _explain(checkpoint, src, out) == 0
     maps = {p.name: p.stat().st_mtime_ns for p in out.glob("*.npy")}
     assert sorted(maps) == sorted(Path(n).with_suffix(".npy").name for n in names)
@@ -349,7 +349,7 @@ def test_interrupted_overwrite_with_another_method_never_mixes_maps(checkpoint, 
     src, out, clean = tmp_path / "images", tmp_path / "maps", tmp_path / "clean"
     names = _images(src, [f"img{i}.png" for i in range(6)])
     assert _explain(checkpoint, src, out) == 0  # gradient maps
-    real_write, calls = jobs._write_map, []
+    real_write, calls = jobs.outputs._write_map, []
 
     def interrupted(amap, path, fmt, meta):
         calls.append(path)
@@ -357,9 +357,9 @@ def test_interrupted_overwrite_with_another_method_never_mixes_maps(checkpoint, 
             raise KeyboardInterrupt
         real_write(amap, path, fmt, meta)
 
-    monkeypatch.setattr(jobs, "_write_map", interrupted)
+    monkeypatch.setattr(jobs.outputs, "_write_map", interrupted)
     assert _explain(checkpoint, src, out, "--overwrite", "--method", "saliency") == 130
-    monkeypatch.setattr(jobs, "_write_map", real_write)
+    monkeypatch.setattr(jobs.outputs, "_write_map", real_write)
     capsys.readouterr()
     assert _explain(checkpoint, src, out, "--method", "saliency") == 0
     summary = _summary(capsys)
@@ -391,14 +391,16 @@ def test_a_run_that_fails_before_its_first_map_records_no_settings(checkpoint, t
     def broken(x, target=None):
         raise ValueError("the explainer broke")
 
-    real_build = explain_cli.build_explainer
+    from attr_engine.jobs import AttributionJob
+
+    real_build = AttributionJob.get_explainer
 
     def build(*args, **kwargs):
         explainer = real_build(*args, **kwargs)
         explainer.attribute = broken
         return explainer
 
-    monkeypatch.setattr(explain_cli, "build_explainer", build)
+    monkeypatch.setattr(AttributionJob, "get_explainer", build)
     assert _explain(checkpoint, src, out) == 2  # the user's to fix, after the work started too (issue #34.1)
     assert "the explainer broke" in capsys.readouterr().err
     assert not (out / "explain.json").exists()
@@ -470,7 +472,7 @@ def test_exit_status_rule_a_full_disk_while_running_is_2(checkpoint, tmp_path, m
     def full_disk(amap, path, fmt, meta):
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(jobs, "_write_map", full_disk)
+    monkeypatch.setattr(jobs.outputs, "_write_map", full_disk)
     assert _explain(checkpoint, src, out) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "No space left on device" in err[-1] and "Traceback" not in "".join(err)
@@ -530,7 +532,7 @@ def test_random_weights_warn_and_offline_pretrained_fails_in_one_line(tmp_path, 
 
     import huggingface_hub.constants
 
-    from attr_engine.cli import _common
+    from attr_engine import model_sources
 
     src = tmp_path / "p.png"
     _images(tmp_path, ["p.png"])
@@ -546,7 +548,7 @@ def test_random_weights_warn_and_offline_pretrained_fails_in_one_line(tmp_path, 
     monkeypatch.setattr(socket, "create_connection", unreachable)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    assert _common.hub_reachable_or_offline() is False
+    assert model_sources.hub_reachable_or_offline() is False
     assert os.environ["HF_HUB_OFFLINE"] == "1" and huggingface_hub.constants.HF_HUB_OFFLINE is True
     start = time.perf_counter()
     assert main([*common, "--pretrained", "--out", str(tmp_path / "b")]) == 2

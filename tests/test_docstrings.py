@@ -23,14 +23,18 @@ MEASUREMENTS = {
     # "12.4 s against 3.7 s", "2.7 ms vs 0.3 ms": a timing compared with another.
     "comparison": re.compile(rf"\d+(?:\.\d+)?\s?{_UNIT}(?![A-Za-z])[^.\n]{{0,30}}?\b(?:against|versus|vs\.?)\s+~?\d"),
     # "measured 13-20 % faster", "measured: 1 min 10 s": a figure attributed to a measurement.
-    "measured figure": re.compile(rf"\bmeasured\b[^.\n]{{0,40}}?\d+(?:\.\d+)?\s?{_UNIT}(?![A-Za-z])", re.IGNORECASE),
+    "measured figure": re.compile(
+        rf"\bmeasured\b(?:[^.\n]|\.(?=\d)){{0,80}}?\d+(?:\.\d+)?\s?{_UNIT}(?![A-Za-z])", re.IGNORECASE
+    ),
+    # "1 min 10 s on 2 busy cores": a run time on a machine.
+    "run time": re.compile(
+        r"\d+(?:\.\d+)?\s?(?:ms|s|min|minutes|h|hours)\b[^.\n]{0,30}\bon\s+\d+\s+(?:\w+\s+){0,2}cores?\b"
+    ),
     # "some 20x faster", "3.3x slower".
     "speed-up": re.compile(r"\d+(?:\.\d+)?\s?x\s+(?:faster|slower)\b", re.IGNORECASE),
     "history": re.compile(r"\b(?:tried earlier|was tried|previous design|earlier design)\b", re.IGNORECASE),
     "issue number": re.compile(r"\bissue #\d+", re.IGNORECASE),
 }
-# CLI help texts also carry no durations at all ("1 min 10 s", "takes 3 minutes").
-DURATION = re.compile(r"\d+(?:\.\d+)?\s?(?:ms|s|sec|seconds|min|minutes|h|hours)\b")
 
 
 def measurements(text: str) -> list[str]:
@@ -108,7 +112,7 @@ def test_no_timings_in_cli_help() -> None:
         f"{where} {text!r}"
         for path in sorted((ROOT / "attr_engine" / "cli").rglob("*.py"))
         for where, text in _help_texts(path)
-        if DURATION.search(text) or measurements(text)
+        if measurements(text)
     ]
     assert not found, "CLI help texts carry no timings:\n" + "\n".join(found)
 
@@ -123,6 +127,8 @@ def test_no_timings_in_cli_help() -> None:
         "Min-max normalising, tried earlier, was too soft",
         "From the prototype of issue #13",
         "a smaller run (measured: 1 min 10 s on 2 busy cores)",
+        " Measured on 2 CPU cores shared with other jobs: 3.5 to 9 minutes, --quick 1 min 10 s.",
+        "the quick demo takes 1 min 10 s on 2 busy cores",
     ],
 )
 def test_the_checker_flags_measurements(text: str) -> None:
@@ -137,6 +143,7 @@ def test_the_checker_flags_measurements(text: str) -> None:
         "n_iters: Sinkhorn iterations (30). [official]",
         "1e-7 at spread 1, ~1e-3 at spread 1e6",
         "the 2 x S classifier passes per image",
+        "how long a batch waits for more instances (10 ms)",
     ],
 )
 def test_the_checker_passes_facts(text: str) -> None:

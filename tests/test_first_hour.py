@@ -188,3 +188,28 @@ def test_a_classifier_at_chance_warns_and_notes_it() -> None:
     # without labels: near-uniform predictions
     assert "mean confidence" in chance_level(torch.zeros(4, 10) + 0.01 * torch.randn(4, 10))
     assert chance_level(logits[:4]) is None
+
+
+def test_cli_evaluate_on_a_folder_leaves_the_pointing_game_out_like_python(tmp_path, capsys) -> None:
+    """The CLI half of the agreement: an image folder has no masks; the default metrics leave the pointing game
+    out, and asking for it is refused in one line with exit status 2."""
+    from PIL import Image
+
+    from attr_engine.cli import main
+    from tests.eval_helpers import untrained_resnet_checkpoint
+
+    checkpoint = untrained_resnet_checkpoint(tmp_path / "clf")
+    gen = np.random.default_rng(0)
+    for k in range(4):
+        (tmp_path / "imgs" / f"c{k % 2}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray((gen.random((36, 40, 3)) * 255).astype(np.uint8)).save(
+            tmp_path / "imgs" / f"c{k % 2}" / f"{k}.png"
+        )
+    args = ["evaluate", "--classifier", str(checkpoint), "--data", str(tmp_path / "imgs"), "--num-images", "4",
+            "--methods", "gradient", "--no-progress", "--img-size", "32"]  # fmt: skip
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "deletion" in table and "pointing_game" not in table
+    assert main([*args, "--metrics", "deletion,pointing_game"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pointing-game metrics need object masks" in err[0]

@@ -437,9 +437,9 @@ def test_the_local_engine_refuses_a_class_the_classifier_lacks_as_ray_does(class
     from attr_engine.imageops import data_config
 
     job = jobs.AttributionJob(method="gradient", classifier=str(classifier_file), target=9, batch_size=2)
-    clf = jobs.build_classifier(job)
+    clf = job.load_classifier()
     results = jobs.run(
-        job, jobs.list_inputs(images, "npy"), classifier=clf, explainer=jobs.build_explainer(job, clf),
+        job, jobs.list_inputs(images, "npy"), classifier=clf, explainer=job.get_explainer(clf),
         config=data_config(clf, img_size=32, crop_pct=1.0),
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"target classes must lie in \[0, 6\), got"):

@@ -175,10 +175,11 @@ def test_max_cost_lifts_the_budget(checkpoint, images, tmp_path, capsys):
     assert "--max-cost 30000" in _error_line(capsys)
     from attr_engine.baselines.cost import method_cost
     from attr_engine.classifier import load_classifier
-    from attr_engine.cli._common import build_explainer, check_cost
+    from attr_engine.cli._common import check_cost
+    from attr_engine.explainer import get_explainer
 
     clf = load_classifier("resnet18", num_classes=3)
-    rise = build_explainer("rise", clf, options={"n_masks": 30000})
+    rise = get_explainer("rise", clf, n_masks=30000)
     assert method_cost(rise, 32, 32).passes == 30000
     check_cost(rise, 32, 30000, "rise")  # within the lifted budget: no error
     check_cost(rise, 32, 0, "rise")  # 0: no bound
@@ -200,6 +201,13 @@ def test_an_image_size_the_model_cannot_take_is_refused_first(
             "--method", method, "--out", str(tmp_path / "out"), "--no-progress"]  # fmt: skip
     assert main(args) == 2
     assert message in _error_line(capsys)
+
+
+def test_train_classifier_bounds_its_image_size_before_reading_data(tmp_path, capsys):
+    args = ["train-classifier", "--img-size", "100000", "--num-images", "4", "--epochs", "1", "--out",
+            str(tmp_path / "clf"), "--no-progress"]  # fmt: skip
+    assert main(args) == 2
+    assert "--img-size must be between 1 and 4096" in _error_line(capsys)
 
 
 def test_train_aha_on_the_meta_device_says_so(checkpoint, tmp_path, capsys):

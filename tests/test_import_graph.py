@@ -3,6 +3,16 @@ others (issue #11: aha/model <-> aha/trainer; the registry and the methods), ker
 attr_engine, and the library imports nothing of the command line (issue #22: the floors run kernels <- library <-
 cli). Imports inside functions count (a lazy import is still a dependency); those under TYPE_CHECKING count for
 the layering, not for the run-time circles.
+
+Two more rules (issue #32):
+
+- **Floors run one way**: kernels -> classifier, data, imageops (and the other foundations) -> explainer, metrics ->
+  aha, pullback, baselines -> evaluate, report, jobs -> engines (ray, serving) -> cli. A module imports only from
+  its own floor or below, never from a floor above, not even for types.
+- **Private stays private**: a ``_private`` module is imported only from inside the package that holds it, and a
+  ``_private`` name defined in a module is imported by no other module (the shared internals of one package live in
+  a private module of that package, e.g. ``kernels._tl_helpers``). What another package needs is public
+  (``kernels.validate``, ``attr_engine.metrics.curves``).
 """
 
 from __future__ import annotations
@@ -147,3 +157,134 @@ def test_the_checker_sees_a_type_only_import_of_the_command_line(tmp_path) -> No
     known = _modules("attr_engine", tmp_path)
     assert _imports("attr_engine.engine", pkg / "engine.py", known) == set()
     assert _imports("attr_engine.engine", pkg / "engine.py", known, type_checking=True) == {"attr_engine.cli"}
+
+
+# The first dotted component under attr_engine names a module's floor (the package __init__ re-exports, unfloored).
+FLOORS: dict[str, int] = {
+    **dict.fromkeys(
+        [
+            "_optional",
+            "_training",
+            "checkpoint",
+            "claims",
+            "classifier",
+            "classifier_training",
+            "data",
+            "distributed",
+            "imageops",
+            "model_sources",
+            "visualize",
+        ],
+        1,
+    ),
+    **dict.fromkeys(["explainer", "metrics", "adapters"], 2),
+    **dict.fromkeys(["aha", "pullback", "baselines"], 3),
+    **dict.fromkeys(["evaluate", "report", "jobs"], 4),
+    **dict.fromkeys(["ray", "serving", "serve", "export"], 5),
+    **dict.fromkeys(["cli", "__main__"], 6),
+}
+
+
+def floor(module: str) -> int | None:
+    """The floor of an ``attr_engine`` module (0 for kernels), ``None`` for the package itself."""
+    if module == "kernels" or module.startswith("kernels."):
+        return 0
+    parts = module.split(".")
+    if len(parts) == 1:
+        return None
+    if parts[1] not in FLOORS:
+        raise AssertionError(f"{module} has no floor: add {parts[1]!r} to FLOORS in {Path(__file__).name}")
+    return FLOORS[parts[1]]
+
+
+def upward_imports(root: Path) -> list[str]:
+    known = {**_modules("kernels", root), **_modules("attr_engine", root)}
+    found = []
+    for name, path in sorted(known.items()):
+        mine = floor(name)
+        if mine is None:
+            continue
+        for target in sorted(_imports(name, path, known, type_checking=True)):
+            theirs = floor(target)
+            if theirs is not None and theirs > mine:
+                found.append(f"{name} (floor {mine}) imports {target} (floor {theirs})")
+    return found
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not part.startswith("__")
+
+
+def _imported_names(name: str, path: Path) -> list[tuple[str, str | None]]:
+    """``(module, name or None)`` for every import of ``path`` (relative imports resolved)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    pairs: list[tuple[str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            pairs.extend((alias.name, None) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            pairs.extend((base, alias.name) for alias in node.names)
+    return pairs
+
+
+def private_imports(root: Path, importers: tuple[str, ...] = ("attr_engine", "kernels")) -> list[str]:
+    known = {**_modules("kernels", root), **_modules("attr_engine", root)}
+    found = []
+    for name, path in sorted(known.items()):
+        if not name.startswith(importers):
+            continue
+        for module, symbol in _imported_names(name, path):
+            if not module.startswith(("attr_engine", "kernels")):
+                continue
+            dotted = module.split(".") + ([symbol] if symbol and f"{module}.{symbol}" in known else [])
+            for i, part in enumerate(dotted):
+                owner = ".".join(dotted[:i])
+                if _private(part) and not (name == owner or name.startswith(f"{owner}.")):
+                    found.append(f"{name} imports the private module {'.'.join(dotted[: i + 1])}")
+            if symbol is None or f"{module}.{symbol}" in known or not _private(symbol) or name == module:
+                continue
+            # A private module's _names are its package's shared internals; any other module's are its own.
+            if not any(_private(part) for part in module.split(".")):
+                found.append(f"{name} imports the private name {module}.{symbol}")
+    return found
+
+
+def test_no_module_imports_from_a_floor_above() -> None:
+    assert upward_imports(REPO) == []
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    assert private_imports(REPO) == []
+
+
+def test_the_checkers_see_what_they_forbid(tmp_path) -> None:
+    pkg = tmp_path / "attr_engine"
+    for sub in ("metrics", "baselines"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    (tmp_path / "kernels" / "_helpers.py").write_text("_pid = 1\n")
+    (tmp_path / "kernels" / "op.py").write_text("from kernels._helpers import _pid\n")  # inside its package: fine
+    (pkg / "explainer.py").write_text("_KEEP = object()\n")
+    (pkg / "metrics" / "_curves.py").write_text("def f(): pass\n")
+    (pkg / "metrics" / "faithfulness.py").write_text("from attr_engine.metrics._curves import f\n")  # fine
+    (pkg / "adapters.py").write_text("from attr_engine.explainer import _KEEP\n")
+    (pkg / "baselines" / "mda.py").write_text(
+        "def g():\n    from attr_engine.metrics import _curves\n    from kernels._helpers import _pid\n"
+        "    from attr_engine.evaluate import x\n"
+    )
+    (pkg / "evaluate.py").write_text("x = 1\n")
+    assert private_imports(tmp_path) == [
+        "attr_engine.adapters imports the private name attr_engine.explainer._KEEP",
+        "attr_engine.baselines.mda imports the private module attr_engine.metrics._curves",
+        "attr_engine.baselines.mda imports the private module kernels._helpers",
+    ]
+    assert upward_imports(tmp_path) == [
+        "attr_engine.baselines.mda (floor 3) imports attr_engine.evaluate (floor 4)",
+    ]

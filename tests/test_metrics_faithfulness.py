@@ -216,7 +216,7 @@ def test_pos_neg_and_deletion_insertion_share_one_curve_engine(case, batch_size)
 
 
 def test_perturbation_curve_scores_the_images_it_describes(case) -> None:
-    from attr_engine.metrics._curves import perturbation_curve, target_probability
+    from attr_engine.metrics.curves import perturbation_curve, target_probability
 
     clf, x, maps, y = case
     end = torch.rand(x.shape, generator=torch.Generator().manual_seed(4))

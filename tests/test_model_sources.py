@@ -14,7 +14,7 @@ from transformers import AutoModelForImageClassification, ViTImageProcessor
 
 from attr_engine.classifier import Classifier, is_external_name, load_classifier, save_classifier
 from attr_engine.imageops import data_config
-from attr_engine.jobs import AttributionJob, build_classifier
+from attr_engine.jobs import AttributionJob
 from attr_engine.model_sources import IMAGENET_MEAN, HFImageClassifier, split_source
 from tests.conftest import tiny_hf_vit
 
@@ -69,9 +69,9 @@ def test_a_torchvision_checkpoint_round_trips_and_loads_through_the_job(tmp_path
     # A torchvision registry name in a file is not external: the job builds it without --model.
     assert not is_external_name("torchvision:squeezenet1_1") and is_external_name("torchvision:resnt18")
     job = AttributionJob(method="saliency", classifier=str(path))
-    assert torch.equal(build_classifier(job)(x), clf(x))
+    assert torch.equal(job.load_classifier()(x), clf(x))
     with pytest.warns(UserWarning, match="random weights"):
-        fresh = build_classifier(AttributionJob(method="saliency", model="torchvision:squeezenet1_1", num_classes=3))
+        fresh = AttributionJob(method="saliency", model="torchvision:squeezenet1_1", num_classes=3).load_classifier()
     assert fresh.num_classes == 3
 
 
@@ -136,7 +136,7 @@ def test_hf_through_the_job_layer(tmp_path: Path) -> None:
     root = _hf_dir(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # random weights
-        clf = build_classifier(AttributionJob(method="saliency", model=f"hf:{root}"))
+        clf = AttributionJob(method="saliency", model=f"hf:{root}").load_classifier()
     assert isinstance(clf, Classifier) and isinstance(clf.model, HFImageClassifier)
     assert clf(torch.rand(1, 3, 32, 32)).shape == (1, 5)
 

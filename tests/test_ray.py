@@ -278,7 +278,7 @@ def test_an_error_inside_an_actor_is_its_own_one_line_message(cluster, data, tmp
     checkpoint, src = data
     monkeypatch.setattr(attr_ray, "BatchAttributor", _BrokenActor)
     assert _explain(checkpoint, src, tmp_path / "out", "--engine", "ray", "--limit", "1") == 2
-    assert _one_line(capsys).endswith("error: this actor cannot build its method")
+    assert "explain: error: this actor cannot build its method" in _one_line(capsys)
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1:{port}", "ray://127.0.0.1:{port}"])

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attr_engine.imageops import REFERENCES
-from kernels._validate import check_bool, check_int, check_int_at_least, check_non_negative, check_positive
+from kernels.validate import check_bool, check_int, check_int_at_least, check_non_negative, check_positive
 
 # The decoder designs (attr_engine.aha.network.Decoder's ``kind``).
 DECODERS = ("full", "light")

@@ -161,7 +161,7 @@ def check_exportable(
 
 def _refuse(explainer: Exportable, fmt: str, img_size: Any, names: Sequence[str] | None) -> None:
     """Refuse in one line what has no exported graph (see the module docstring)."""
-    if type(explainer).__name__ != "AHA" or not hasattr(explainer, "decoder"):
+    if getattr(explainer, "name", None) != "aha" or not isinstance(getattr(explainer, "decoder", None), Decoder):
         raise ValueError(
             f"only AHA exports (one forward pass per map); {type(explainer).__name__} needs autograd or many "
             "passes per map, which no exported graph holds"

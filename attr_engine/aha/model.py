@@ -18,7 +18,7 @@ from attr_engine.aha.trainer import fit as train_decoder
 from attr_engine.classifier import Classifier, check_device, eval_mode, resolve_targets
 from attr_engine.explainer import Explainer, register_explainer
 from attr_engine.imageops import reference_image
-from kernels._validate import check_int, check_int_at_least, check_positive, check_tensor
+from kernels.validate import check_int, check_int_at_least, check_positive, check_tensor
 
 __all__ = ["AHA"]
 
@@ -456,12 +456,20 @@ def _as_generator(generator: torch.Generator | int) -> torch.Generator:
     return torch.Generator().manual_seed(int(generator))
 
 
-def _registered(classifier: nn.Module, *, aha: AHA | None = None, **options: Any) -> AHA:
-    """The registry's ``"aha"``: a trained ``aha`` (for ``classifier``) with these options as its defaults.
+def _registered(classifier: nn.Module, *, aha: AHA | str | os.PathLike[str] | None = None, **options: Any) -> AHA:
+    """The registry's ``"aha"``: a trained ``aha`` (for ``classifier``, or the checkpoint directory to load it from)
+    with these options as its defaults.
 
     The seed of refinement defaults to 0 here (not ``config.seed``): what ``get_explainer("aha", ...)`` and the
     CLI have always used, so their refined maps stay the same.
     """
+    if isinstance(aha, (str, os.PathLike)):
+        if not isinstance(classifier, Classifier):
+            raise ValueError(f"an AHA checkpoint loads for a Classifier, got {type(classifier).__name__}")
+        try:
+            aha = AHA.load(aha, classifier)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"no AHA checkpoint in {aha}: {err}") from None
     if not isinstance(aha, AHA):
         raise ValueError(f"the 'aha' explainer needs a trained AHA passed as aha=..., got {type(aha).__name__}")
     if aha.classifier is not classifier:

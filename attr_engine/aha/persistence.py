@@ -21,7 +21,6 @@ are removed (the previous one is kept): a kill at any moment leaves the previous
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -49,8 +48,9 @@ from attr_engine.checkpoint import (
 from attr_engine.classifier import (
     MAX_FILE_IMG_SIZE,
     Classifier,
-    _accepts_img_size,
-    _check_against_weights,
+    accepts_img_size,
+    check_against_weights,
+    classifier_fingerprint,
     file_int,
     is_external_name,
 )
@@ -69,7 +69,6 @@ __all__ = [
     "check_loadable",
     "checkpoint_dir",
     "checkpoint_metadata",
-    "classifier_fingerprint",
     "has_checkpoint",
     "latest_training_checkpoint",
     "load_checkpoint",
@@ -208,22 +207,6 @@ def _refuse_links(root: Path, src: Path) -> None:
     for path in [*inside, src / CONFIG_FILE, src / WEIGHTS_FILE]:
         if path.is_symlink():
             raise ValueError(f"{path} is a link: an AHA checkpoint's directories and files must be its own")
-
-
-def classifier_fingerprint(classifier: Classifier) -> str:
-    """A short hash of the classifier's architecture and weights: a checkpoint records the one it was trained for.
-
-    Parameter names, shapes and per-tensor float64 sums (rounded, so the same weights on another device or after a
-    save/load round trip give the same hash) identify a model without hashing every byte.
-    """
-    digest = hashlib.sha256()
-    for name, value in classifier.model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(str(tuple(value.shape)).encode())
-        if value.is_floating_point() and value.numel():
-            v = value.detach().double()
-            digest.update(f"{v.sum().item():.6e}/{v.abs().sum().item():.6e}".encode())
-    return digest.hexdigest()[:16]
 
 
 def checkpoint_metadata(explainer: Checkpointable) -> dict[str, Any]:
@@ -401,8 +384,8 @@ def check_loadable(
     check_state_shapes(probe, decoder_state, src / WEIGHTS_FILE, what)
     if name is not None and backbone_state and _registry_name(name):
         side = classifier.input_size[1] if classifier.input_size is not None else None
-        kwargs = {"img_size": side} if side is not None and _accepts_img_size(name) else {}
-        _check_against_weights(name, kwargs, backbone_state, src / WEIGHTS_FILE)
+        kwargs = {"img_size": side} if side is not None and accepts_img_size(name) else {}
+        check_against_weights(name, kwargs, backbone_state, src / WEIGHTS_FILE)
     return img_size
 
 

@@ -42,10 +42,10 @@ from torch import nn
 from attr_engine.baselines.cam import is_vit, token_grid
 from attr_engine.classifier import Classifier
 from attr_engine.explainer import Explainer, get_explainer, resolve_explainer
-from attr_engine.metrics._curves import batched_logits, perturbation_curve, target_probability
+from attr_engine.metrics.curves import batched_logits, perturbation_curve, target_probability
 from attr_engine.metrics.perturbation import pixel_ranks
-from kernels._validate import check_int_at_least
 from kernels.region import cell_index
+from kernels.validate import check_int_at_least
 
 __all__ = ["MDA", "convex_fit", "default_grid", "mda_blur", "mda_blur_kernel", "search_window"]
 

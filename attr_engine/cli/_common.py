@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
     from attr_engine.classifier import Classifier
 
+
 __all__ = [
     "EMBEDDED",
     "HELD_OUT_SEED",
@@ -25,20 +26,20 @@ __all__ = [
     "add_classifier_args",
     "add_cost_arg",
     "add_device_arg",
-    "build_explainer",
+    "check_classifier_args",
     "check_cost",
     "check_device_runs",
     "check_input_side",
     "check_model_flags",
     "check_writable_dir",
+    "classifier_args",
     "config_defaults",
-    "load_classifier_args",
     "load_config_file",
     "machine_summary",
-    "open_classifier",
     "parse_key_values",
     "resolve_device",
     "resolve_method",
+    "warn_if_untrained",
     "work_started",
 ]
 
@@ -222,14 +223,8 @@ def add_classifier_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-classes", type=int, help="number of classes of a --model without checkpoint")
 
 
-def load_classifier_args(
-    args: argparse.Namespace, device: torch.device, *, img_size: int | None = None, seed: int = 0
-) -> Classifier:
-    """Build the classifier named by ``--classifier`` / ``--model`` / ``--pretrained`` on ``device``
-    (:func:`attr_engine.jobs.build_classifier`: seeded with ``seed``, so random weights are the same in every
-    process), with the flags' own one-line errors."""
-    from attr_engine.jobs import AttributionJob, build_classifier
-
+def check_classifier_args(args: argparse.Namespace) -> None:
+    """The classifier flags (``--classifier`` / ``--model`` / ``--pretrained``) checked before anything is loaded."""
     if args.classifier is None and args.model is None:
         raise UsageError("no classifier: pass --classifier PATH (a checkpoint) or --model NAME (a timm model)")
     if args.classifier is not None:
@@ -239,20 +234,11 @@ def load_classifier_args(
             raise UsageError("--pretrained and --classifier exclude each other (the checkpoint holds the weights)")
     if args.model in SMALL_MODELS:
         raise UsageError(f"{args.model!r} is a train-classifier preset; pass the checkpoint it wrote with --classifier")
-    check_model_flags(args.num_classes, img_size)
+    check_model_flags(args.num_classes, getattr(args, "img_size", None))
     if args.model is not None and is_hub_name(args.model):
+        from attr_engine.model_sources import hub_reachable_or_offline
+
         hub_reachable_or_offline()  # offline: a cached config loads, a missing one fails at once, not after retries
-    job = AttributionJob(
-        classifier=args.classifier, model=args.model, pretrained=args.pretrained, num_classes=args.num_classes,
-        img_size=img_size, seed=seed,
-    )  # fmt: skip
-    try:
-        classifier = build_classifier(job, device)
-    except FileNotFoundError as err:
-        hub = args.model is not None and is_hub_name(args.model)
-        raise UsageError(f"cannot load {args.model!r} from the hub: {err}" if hub else str(err)) from None
-    check_input_side(classifier, img_size or (classifier.input_size[1] if classifier.input_size else 224))
-    return classifier
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -341,11 +327,14 @@ def check_cost(explainer: Any, side: int, max_cost: float, method: str) -> None:
         )
 
 
-def hub_reachable_or_offline(timeout: float = 3.0) -> bool:
-    """:func:`attr_engine.jobs.hub_reachable_or_offline`: probe the hub once, offline mode if it does not answer."""
-    from attr_engine.jobs import hub_reachable_or_offline as probe
-
-    return probe(timeout)
+def classifier_args(args: argparse.Namespace, *, img_size: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """:func:`attr_engine.classifier.load_classifier`'s arguments from the classifier flags (checked), seeded with
+    ``seed`` so random weights are the same in every process."""
+    check_classifier_args(args)
+    return {
+        "name": args.model, "pretrained": args.pretrained, "num_classes": args.num_classes, "img_size": img_size,
+        "checkpoint": args.classifier, "seed": seed,
+    }  # fmt: skip
 
 
 def is_hub_name(name: str) -> bool:
@@ -359,17 +348,17 @@ def is_hub_name(name: str) -> bool:
     return name.startswith("hf-hub:") or name.startswith("hf_hub:")
 
 
-def open_classifier(name: str, **kwargs: Any) -> Classifier:
-    """:func:`~attr_engine.classifier.load_classifier` with download and file failures turned into one-line errors."""
-    from attr_engine.classifier import load_classifier
-    from attr_engine.jobs import load_error
+def warn_if_untrained(args: argparse.Namespace) -> None:
+    """Maps of an untrained network explain nothing: say so once (after the model loaded) instead of silently
+    using the random weights of ``--model`` alone."""
+    import warnings
 
-    if kwargs.get("pretrained"):
-        hub_reachable_or_offline()
-    try:
-        return load_classifier(name, **kwargs)
-    except (RuntimeError, OSError) as err:
-        raise UsageError(str(load_error(name, bool(kwargs.get("pretrained")), err))) from None
+    if args.classifier is None and not args.pretrained:
+        warnings.warn(
+            f"--model {args.model} without --pretrained or --classifier uses random weights; its maps explain an "
+            "untrained network",
+            stacklevel=2,
+        )
 
 
 def resolve_method(name: str) -> str:
@@ -384,28 +373,6 @@ def resolve_method(name: str) -> str:
         from attr_engine.explainer import list_explainers
 
         raise UsageError(f"unknown method {name!r}{hint}; available: {', '.join(list_explainers())}") from None
-
-
-def build_explainer(
-    name: str,
-    classifier: Classifier,
-    *,
-    aha_dir: str | os.PathLike[str] | None = None,
-    refine_steps: int = 0,
-    seed: int = 0,
-    options: Mapping[str, Any] | None = None,
-) -> Any:
-    """An explainer from the registry (:func:`attr_engine.jobs.make_explainer`) with one-line errors for a bad
-    name or options."""
-    from attr_engine.jobs import make_explainer
-
-    key = resolve_method(name)
-    try:
-        return make_explainer(key, classifier, aha=aha_dir, refine_steps=refine_steps, seed=seed, options=options)
-    except TypeError as err:
-        raise UsageError(f"method {name!r} does not take these options: {err}") from None
-    except FileNotFoundError as err:
-        raise UsageError(str(err)) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -13,12 +13,13 @@ from attr_engine.cli._common import (
     UsageError,
     add_classifier_args,
     add_device_arg,
-    build_explainer,
     check_cost,
+    check_input_side,
     check_writable_dir,
-    load_classifier_args,
+    classifier_args,
     resolve_device,
     resolve_method,
+    warn_if_untrained,
     work_started,
 )
 
@@ -177,14 +178,16 @@ def run_leaderboard(
 
     total = len(methods) * (1 + len(metrics))
     with tqdm(total=total, desc="evaluate", unit="step", disable=not progress, dynamic_ncols=True) as bar:
+        started = [0]  # steps begun: each one begun after the first means the one before it is done
 
         def step(name: str) -> None:
-            if bar.n or bar.postfix:  # the step before this one is done
+            if started[0]:
                 bar.update(1)
+            started[0] += 1
             bar.set_postfix_str(name)
 
         board = evaluate(classifier, methods, data, metrics, step=step, **kwargs)
-        bar.update(total - bar.n)
+        bar.update(max(0, total - started[0] + 1))  # the last step
         return board
 
 
@@ -199,8 +202,13 @@ def run_evaluate(args: argparse.Namespace) -> int:
         raise UsageError(f"--refine-steps must be >= 0, got {args.refine_steps}")
     out = check_writable_dir(args.out) if args.out else None
     device = resolve_device(args.device)
-    classifier = load_classifier_args(args, device, img_size=args.img_size, seed=args.seed)
+    from attr_engine.classifier import load_classifier
+    from attr_engine.explainer import get_explainer
+
+    classifier = load_classifier(**classifier_args(args, img_size=args.img_size, seed=args.seed)).to(device)
+    warn_if_untrained(args)
     img_size = args.img_size or (classifier.input_size[1] if classifier.input_size else 224)
+    check_input_side(classifier, img_size)
     data = evaluation_data(args.data, num_images=args.num_images, img_size=img_size, seed=args.seed)
     has_masks = len(data) == 3
 
@@ -210,12 +218,14 @@ def run_evaluate(args: argparse.Namespace) -> int:
         names = (["aha"] if args.aha else []) + ["pullback-ascent", "pullback-soft", "gradient", "integrated-gradients"]
     methods: dict[str, Any] = {}
     for name in names:
-        methods[name] = build_explainer(name, classifier, aha_dir=args.aha, seed=args.seed)
+        key = resolve_method(name)
+        if key == "aha" and args.aha is None:
+            raise UsageError("--method aha needs --aha DIR, the directory train-aha (or demo) wrote")
+        options = {"aha": args.aha, "seed": args.seed} if key == "aha" else {}
+        methods[name] = get_explainer(key, classifier, **options)
         check_cost(methods[name], img_size, args.max_cost, name)
-        if resolve_method(name) == "aha" and args.refine_steps:
-            methods[f"aha (T={args.refine_steps})"] = build_explainer(
-                name, classifier, aha_dir=args.aha, refine_steps=args.refine_steps, seed=args.seed
-            )
+        if key == "aha" and args.refine_steps:
+            methods[f"aha (T={args.refine_steps})"] = methods[name].with_options(refine_steps=args.refine_steps)
     if args.metrics:
         metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
         unknown = [m for m in metrics if m not in METRICS]

@@ -8,7 +8,9 @@ The classifier sees the image as timm's evaluation transform cuts it (resize the
 ``input / crop_pct``, centre crop, the model's interpolation: :func:`attr_engine.imageops.data_config`); the map
 is then written in the original image's frame, pixel for pixel aligned with it, the border the crop cut away
 ``NaN`` (and left uncoloured in the overlay). ``--model-frame`` keeps the map at the classifier's input size.
-Every output is written atomically (temporary file, then rename), so a killed run leaves nothing half-written, and
+The run itself is :func:`attr_engine.jobs.explain`: this module parses the flags into a job, opens the engine, calls
+it and prints. Every output is written atomically (temporary file, then rename), so a killed run leaves nothing
+half-written, and
 running the same command again does only what is missing. An input counts as done when its outputs exist, read back
 as valid files of the expected shape, *and* the journal says they were made with the current settings: after each
 input's outputs are in place, a line naming them and a digest of the settings is appended to
@@ -25,32 +27,28 @@ and ``--engine ray`` (a Ray Data actor pool computes, this process writes the sa
 docs/explain.md.
 
 Unreadable images are reported one line each and listed in the manifest; the others are still written and the exit
-status stays 0 (a single unreadable input file is an error). A map with NaN or infinite values (outside the NaN
-border of a map in the image's frame) is never written: it is reported and listed as ``failed``, the rest goes on,
-and the exit status is 1.
+status stays 0, unless every input was unreadable: nothing written is an error (one line, status 2). A map with
+NaN or infinite values (outside the NaN border of a map in the image's frame) is never written: it is reported and
+listed as ``failed``, the rest goes on, and the exit status is 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from attr_engine.claims import claim_output
 from attr_engine.cli._common import (
     UsageError,
     add_classifier_args,
     add_device_arg,
-    build_explainer,
+    check_classifier_args,
     check_cost,
+    check_input_side,
     check_writable_dir,
-    load_classifier_args,
     parse_key_values,
     resolve_device,
     resolve_method,
@@ -66,7 +64,7 @@ ENGINES = ("local", "ray")
 
 # torch and the job layer are imported where they are used: `attr-engine explain --help` must not load them.
 if TYPE_CHECKING:
-    from attr_engine.jobs import AttributionJob, Item, ItemResult
+    from attr_engine.jobs import AttributionJob, Item, ItemResult, Summary
 
 
 def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
@@ -260,8 +258,8 @@ def _check_args(args: argparse.Namespace) -> tuple[int, int]:
     return rank, world
 
 
-def _check_labels(args: argparse.Namespace, items: list[Item], num_classes: int | None = None) -> None:
-    """``--target label`` needs every input in a class folder (and, with ``num_classes``, no more folders)."""
+def _check_labels(args: argparse.Namespace, items: list[Item]) -> None:
+    """``--target label`` needs every input in a class folder."""
     if args.target != "label":
         return
     unlabelled = sum(item.label < 0 for item in items)
@@ -272,281 +270,127 @@ def _check_labels(args: argparse.Namespace, items: list[Item], num_classes: int 
             f"--target label: {unlabelled} image(s) directly in {args.input} are in no class folder; move them into "
             "one or explain them with another --target"
         )
-    if num_classes is not None and any(item.label >= num_classes for item in items):
-        raise UsageError(f"--target label: the tree has more class folders than the classifier's {num_classes} classes")
 
 
-@dataclass
-class _Run:
-    """One ``explain`` run once its settings are checked: the job, where it writes, and what is left to do."""
+def _job(args: argparse.Namespace) -> AttributionJob:
+    """The job the flags describe (the method resolved once to its canonical name)."""
+    from attr_engine.jobs import AttributionJob
 
-    job: AttributionJob
-    out: Path
-    settings: dict[str, Any]
-    mine: list[Item]
-    todo: list[Item]
-    already: list[str]
-    rank: int
-    world: int
-    limit: int
-    classifier: Any = None
-    explainer: Any = None
-    config: Any = None  # the DataConfig every input is cut with
-    gpus_per_actor: float = 0.0
-    sharing: int = 0  # other live jobs of the same settings in the output directory
-    class_names: dict[int, str] = field(default_factory=dict)  # the captions' names, where known
-    written: list[dict[str, Any]] = field(default_factory=list)
-    unreadable: list[dict[str, str]] = field(default_factory=list)
-    failed: list[dict[str, str]] = field(default_factory=list)
-
-
-def _build_job(args: argparse.Namespace, stack: contextlib.ExitStack) -> _Run:
-    """Everything ``explain`` checks before it starts: flags, cluster, method, inputs, classifier, output."""
-    import dataclasses
-
-    from attr_engine import jobs
-    from attr_engine.imageops import data_config
-
-    rank, world = _check_args(args)
-    gpus_per_actor = 0.0
-    if args.engine == "ray":
-        from attr_engine.ray import plan_actors, ray_session
-
-        # Connected before anything is loaded or written: an unreachable cluster, a cluster without the GPUs or
-        # CPUs asked for, or --device cuda without GPUs fails here in one line, with nothing left behind.
-        stack.enter_context(ray_session(args.address, verbose=args.verbose))
-        local_cluster = not (args.address or os.environ.get("RAY_ADDRESS"))
-        gpus_per_actor = plan_actors(args.actors, args.gpus_per_actor, args.device, strict=local_cluster)
-    # Resolved once: the canonical name is what the settings record and every check below compares.
     method = resolve_method(args.method or ("aha" if args.aha else "pullback"))
-    options = parse_key_values(args.option, "--option")
-    items = jobs.list_inputs(Path(args.input), args.format)
-    _check_labels(args, items)
-    # With Ray the driver only checks the settings and writes: the actors hold the classifier on their devices. The
-    # build is seeded as every actor's is, so random weights (--model alone) are the same everywhere.
-    device = resolve_device("cpu" if args.engine == "ray" else args.device)
-    classifier = load_classifier_args(args, device, img_size=args.img_size, seed=args.seed)
-    img_size = args.img_size or (classifier.input_size[1] if classifier.input_size else 224)
-    # A train-classifier / demo checkpoint learnt on whole frames (resized, crop_pct 1.0); a timm model on timm's crop.
-    crop_pct = args.crop_pct if args.crop_pct is not None else (1.0 if args.classifier else None)
-    try:
-        config = data_config(classifier, img_size=img_size, crop_pct=crop_pct)
-    except ValueError as err:
-        raise UsageError(f"--crop-pct: {err}") from None
-    explainer = build_explainer(
-        method, classifier, aha_dir=args.aha, refine_steps=args.refine_steps, seed=args.seed, options=options
-    )
-    check_cost(explainer, img_size, args.max_cost, method)
-    num_classes = classifier.num_classes
-    if args.target not in ("pred", "label") and not 0 <= int(args.target) < num_classes:
-        raise UsageError(f"--target {args.target} is not a class of this classifier (0 to {num_classes - 1})")
-    _check_labels(args, items, num_classes)
-    job = jobs.AttributionJob(
+    return AttributionJob(
         method=method, classifier=args.classifier, model=args.model, pretrained=args.pretrained,
-        num_classes=args.num_classes, img_size=args.img_size, preprocess=config, aha=args.aha,
-        refine_steps=args.refine_steps, seed=args.seed, options=options,
+        num_classes=args.num_classes, img_size=args.img_size, crop_pct=args.crop_pct, aha=args.aha,
+        refine_steps=args.refine_steps, seed=args.seed, options=parse_key_values(args.option, "--option"),
         target=args.target if args.target in ("pred", "label") else int(args.target),
         frame="model" if args.model_frame else "image", return_images=args.png, device=args.device,
         batch_size=args.batch_size,
     )  # fmt: skip
-    run = _claim_output(args, stack, job, classifier, config, rank, world)
-    job = dataclasses.replace(job, fingerprint=run.settings["classifier"])
-    run.job, run.classifier, run.explainer, run.config = job, classifier, explainer, config
-    run.gpus_per_actor = gpus_per_actor
-    run.class_names = _class_names(args, items, classifier)
-    return _plan(args, run, items)
 
 
-def _class_names(args: argparse.Namespace, items: list[Item], classifier: Any) -> dict[int, str]:
-    """``{class id: name}`` for the captions, only where the names are known to be the classifier's classes.
+def _engine(args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
+    """``"local"``, or the Ray engine with its session open: connected before anything is loaded or written, so an
+    unreachable cluster, a cluster without the GPUs or CPUs asked for, or --device cuda without GPUs fails here in
+    one line, with nothing left behind."""
+    if args.engine != "ray":
+        return "local"
+    from attr_engine.ray import RayEngine, plan_actors, ray_session
 
-    With ``--target label`` the explained class *is* an ImageFolder label, so its folder's name is that class's
-    name (the user asserts the folders are the classifier's classes by asking for labels). A ``--classifier``
-    checkpoint written by ``train-classifier`` has a ``train.json`` beside it listing the classes it was trained
-    on: used when it names this model and as many classes as the classifier has. Otherwise none: the caption
-    says ``class 3``.
-    """
-    if not args.png:
-        return {}
-    if args.target == "label":
-        return {item.label: Path(item.name).parts[0] for item in items if item.label >= 0}
-    if args.classifier:
-        import json
-
-        try:
-            record = json.loads((Path(args.classifier).parent / "train.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}
-        classes = record.get("classes") if isinstance(record, dict) else None
-        if (
-            isinstance(classes, list)
-            and len(classes) == classifier.num_classes
-            and all(isinstance(c, str) for c in classes)
-            and record.get("model") == getattr(classifier, "model_name", None)
-        ):
-            return dict(enumerate(classes))
-    return {}
-
-
-def _claim_output(
-    args: argparse.Namespace,
-    stack: contextlib.ExitStack,
-    job: AttributionJob,
-    classifier: Any,
-    config: Any,
-    rank: int,
-    world: int,
-) -> _Run:
-    """Make the output directory this job's: writable, with no other settings recorded or being written."""
-    from attr_engine import jobs
-
-    out = check_writable_dir(Path(args.out))
-    settings = jobs.job_settings(job, args.format, classifier, config, map_dtype=args.map_dtype)
-    digest = jobs.settings_digest(settings)
-    # One directory, one digest: a live job with other settings refuses this one, and the recorded settings are
-    # compared under the same lock, so two jobs started together cannot both pass.
-    check = functools.partial(_refuse_other_settings, out, settings, args.overwrite)
-    sharing = stack.enter_context(claim_output(out, digest, f"method {settings['method']}", check=check))
-    return _Run(job, out, settings, mine=[], todo=[], already=[], rank=rank, world=world, limit=0, sharing=sharing)
-
-
-def _refuse_other_settings(out: Path, settings: dict[str, Any], overwrite: bool) -> None:
-    from attr_engine import jobs
-
-    try:
-        jobs.check_recorded_settings(out, settings, overwrite)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-
-
-def _plan(args: argparse.Namespace, run: _Run, items: list[Item]) -> _Run:
-    """This process's share of the inputs, the stale temporaries removed, and what is still to do."""
-    from attr_engine import jobs
-    from attr_engine.distributed import shard
-
-    run.mine = shard(items, run.rank, run.world)
-    if run.world > 1 or not run.sharing:
-        # Alone (or one of disjoint shards): temporaries of this process's outputs are a killed run's leftovers. A
-        # job with the same settings in the same directory may be writing them right now: left alone then.
-        jobs.remove_stale_temporaries(run.out, run.mine, run.rank, run.world)
-    journal = {} if args.overwrite else jobs.read_journal(run.out)
-    digest = jobs.settings_digest(run.settings)
-    model_shape = run.config.input_size if args.model_frame else None
-
-    def done(item: Item) -> bool:
-        if journal.get(item.map_file.as_posix()) != digest:
-            return False  # missing, or made with other settings (an interrupted --overwrite)
-        if not jobs.valid_output(run.out / item.map_file, args.format, model_shape, args.map_dtype):
-            return False
-        return not args.png or jobs.valid_output(run.out / item.png_file, "png")
-
-    finished = [False] * len(run.mine) if args.overwrite else [done(item) for item in run.mine]
-    run.todo = [item for item, f in zip(run.mine, finished, strict=True) if not f]
-    run.already = [item.name for item, f in zip(run.mine, finished, strict=True) if f]
-    # --limit counts maps written: unreadable files among the inputs do not use it up.
-    run.limit = len(run.todo) if args.limit is None else args.limit
-    return run
+    stack.enter_context(ray_session(args.address, verbose=args.verbose))
+    local_cluster = not (args.address or os.environ.get("RAY_ADDRESS"))
+    gpus = plan_actors(args.actors, args.gpus_per_actor, args.device, strict=local_cluster)
+    return RayEngine(actors=args.actors, num_gpus=gpus, address=args.address, verbose=args.verbose)
 
 
 def run_explain(args: argparse.Namespace) -> int:
-    # The stack holds the Ray session and the claim on the output directory (attr_engine.claims) to the end.
+    rank, world = _check_args(args)
+    check_classifier_args(args)
+    if args.engine == "local":  # with Ray the actors hold the classifier: the cluster is checked for the device
+        resolve_device(args.device)
+    job = _job(args)
+    # The stack holds the Ray session to the end.
     with contextlib.ExitStack() as stack:
-        run = _build_job(args, stack)
-        work_started()
-        seconds = _work(args, run)
-        return _report(args, run, seconds)
+        engine = _engine(args, stack)
+        out = check_writable_dir(Path(args.out))
+        progress = _Progress(args, rank, world)
+        try:
+            summary = _explain(args, job, out, engine, progress, rank, world)
+        finally:
+            progress.close()
+    return _report(summary)
 
 
-def _results(args: argparse.Namespace, run: _Run) -> Any:
-    """The engine's results for the inputs still to do: the local loop, or the Ray job over the same batches."""
-    from attr_engine import jobs
+def _explain(
+    args: argparse.Namespace, job: AttributionJob, out: Path, engine: Any, progress: _Progress, rank: int, world: int
+) -> Summary:
+    from attr_engine.jobs import NoMapWrittenError, explain, list_inputs
 
-    if not run.todo or run.limit <= 0:
-        return iter(())
-    if args.engine == "ray":
-        from attr_engine.ray import explain_items
-
-        return explain_items(
-            run.job, run.todo, actors=args.actors, num_gpus=run.gpus_per_actor, address=args.address,
-            verbose=args.verbose,
+    items = list_inputs(Path(args.input), args.format)
+    _check_labels(args, items)
+    # Built here, before any work, for the bounds (cli._common): the image side the model takes and the method's
+    # cost. With Ray the driver's copy is on the CPU (the settings only); the actors build their own.
+    classifier = job.load_classifier(resolve_device("cpu" if engine != "local" else args.device))
+    side = args.img_size or (classifier.input_size[1] if classifier.input_size else 224)
+    check_input_side(classifier, side)
+    explainer = job.get_explainer(classifier)
+    check_cost(explainer, side, args.max_cost, job.method)
+    try:
+        return explain(
+            job, items, out, engine=engine, fmt=args.format, map_dtype=args.map_dtype, png=args.png, cmap=args.cmap,
+            alpha=args.alpha, png_layout=args.png_layout, png_max_side=args.png_max_side, overwrite=args.overwrite,
+            limit=args.limit, rank=rank, world=world, workers=args.workers, progress=progress,
+            classifier=classifier, explainer=explainer,
         )  # fmt: skip
-    return jobs.run(
-        run.job, run.todo, classifier=run.classifier, explainer=run.explainer,
-        config=run.config, limit=run.limit, workers=args.workers,
-    )  # fmt: skip
+    except NoMapWrittenError as err:
+        raise UsageError(str(err)) from None
 
 
-def _work(args: argparse.Namespace, run: _Run) -> float:
-    """Write every result of the engine (one writer for both engines); returns the seconds it took."""
-    from tqdm.auto import tqdm
+class _Progress:
+    """The progress bar and the one line per input without a map; the job's work starts with the first result."""
 
-    from attr_engine import jobs
+    def __init__(self, args: argparse.Namespace, rank: int, world: int) -> None:
+        self.args, self.bar = args, None
+        self.name = f"explain [{rank}/{world}]" if world > 1 else "explain"
+        self.folder = Path(args.input).is_dir()
 
-    start = time.perf_counter()
-    name = f"explain [{run.rank}/{run.world}]" if run.world > 1 else "explain"
-    bar = tqdm(total=min(len(run.todo), run.limit), desc=name, unit="img",
-               disable=args.no_progress or not run.todo, dynamic_ncols=True)  # fmt: skip
-    journal_path = run.out / jobs.MANIFEST_DIR / f"rank{run.rank}-of-{run.world}{jobs.JOURNAL_SUFFIX}"
-    journal_path.parent.mkdir(parents=True, exist_ok=True)
-    with bar, open(journal_path, "a", encoding="utf-8") as journal:
-        writer = jobs.OutputWriter(
-            run.out, run.settings, journal, fmt=args.format, png=args.png, cmap=args.cmap, alpha=args.alpha,
-            map_dtype=args.map_dtype, layout=args.png_layout, max_side=args.png_max_side,
-            class_names=run.class_names,
-        )  # fmt: skip
-        run.written = writer.written
-        for result in _results(args, run):
-            _take(result, run, writer, bar, Path(args.input).is_dir())
-            if len(writer.written) >= run.limit:
-                break
-    return time.perf_counter() - start
+    def __call__(self, result: ItemResult | None, finished: int, total: int) -> None:
+        from tqdm.auto import tqdm
 
+        if result is None:  # the settings, inputs and outputs are checked: the work starts
+            work_started()
+            disable = self.args.no_progress or not total
+            self.bar = tqdm(total=total, desc=self.name, unit="img", disable=disable, dynamic_ncols=True)
+            return
+        assert self.bar is not None
+        if result.failed:
+            # Not an unreadable input: the method failed on a good one. Reported, never written, and the exit status.
+            self.bar.write(
+                f"attr-engine explain: error: {result.item.name}: {result.error}; not written", file=sys.stderr
+            )
+        elif result.error is not None:
+            if self.folder:  # a single input file that cannot be read is the error reported at the end
+                self.bar.write(
+                    f"attr-engine explain: warning: skipped unreadable input: {result.error}", file=sys.stderr
+                )
+        else:
+            self.bar.update(1)
 
-def _take(result: ItemResult, run: _Run, writer: Any, bar: Any, folder: bool) -> None:
-    """Write one result, or report why it has no map."""
-    if result.failed:
-        # Not an unreadable input: the method failed on a good one. Reported, never written, and the exit status.
-        run.failed.append({"input": result.item.name, "reason": str(result.error)})
-        bar.write(f"attr-engine explain: error: {result.item.name}: {result.error}; not written", file=sys.stderr)
-    elif result.error is not None:
-        run.unreadable.append({"input": result.item.name, "reason": result.error})
-        if folder:  # a single input file that cannot be read is the error reported at the end
-            bar.write(f"attr-engine explain: warning: skipped unreadable input: {result.error}", file=sys.stderr)
-    else:
-        writer.write(result)
-        bar.update(1)
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
-def _report(args: argparse.Namespace, run: _Run, seconds: float) -> int:
-    """The manifest of this process's share and the one summary line; the exit status."""
-    from attr_engine import jobs
-    from attr_engine.checkpoint import save_json
-
-    if Path(args.input).is_file() and run.unreadable:
-        raise UsageError(run.unreadable[0]["reason"])
-    written = run.written
-    save_json(
-        {
-            "rank": run.rank,
-            "world_size": run.world,
-            "inputs": [item.name for item in run.mine],
-            "written": written,
-            "already_done": run.already,
-            "unreadable": run.unreadable,
-            "failed": run.failed,
-            "seconds": round(seconds, 3),
-        },
-        run.out / jobs.MANIFEST_DIR / f"rank{run.rank}-of-{run.world}.json",
-    )
-    who = f"rank {run.rank}/{run.world}: " if run.world > 1 else ""
-    notes = [f"{len(run.already)} already done"] if run.already else []
-    if run.unreadable:
-        notes.append(f"{len(run.unreadable)} unreadable")
-    if run.failed:
-        notes.append(f"{len(run.failed)} failed: non-finite maps, not written")
-    left = len(run.mine) - len(run.already) - len(written) - len(run.unreadable) - len(run.failed)
-    if left > 0:
-        notes.append(f"{left} left for a later run")
+def _report(summary: Summary) -> int:
+    """The one summary line; the exit status."""
+    who = f"rank {summary.rank}/{summary.world}: " if summary.world > 1 else ""
+    notes = [f"{len(summary.already)} already done"] if summary.already else []
+    if summary.unreadable:
+        notes.append(f"{len(summary.unreadable)} unreadable")
+    if summary.failed:
+        notes.append(f"{len(summary.failed)} failed: non-finite maps, not written")
+    if summary.left > 0:
+        notes.append(f"{summary.left} left for a later run")
     note = f" ({', '.join(notes)})" if notes else ""
-    print(f"{who}{len(written)} {run.settings['method']} map(s) written to {run.out}{note} in {seconds:.1f} s")
-    return 1 if run.failed else 0
+    print(
+        f"{who}{len(summary.written)} {summary.method} map(s) written to {summary.out}{note} in {summary.seconds:.1f} s"
+    )
+    return 1 if summary.failed else 0

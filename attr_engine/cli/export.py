@@ -11,8 +11,8 @@ from attr_engine.cli._common import (
     UsageError,
     add_classifier_args,
     add_device_arg,
-    build_explainer,
-    load_classifier_args,
+    check_input_side,
+    classifier_args,
     resolve_device,
     resolve_method,
     work_started,
@@ -79,8 +79,12 @@ def _class_names(path: str | None) -> list[str] | None:
 def run_export(args: argparse.Namespace) -> int:
     _check_args(args)
     device = resolve_device(args.device)
-    classifier = load_classifier_args(args, device, img_size=args.img_size)
-    explainer = build_explainer("aha", classifier, aha_dir=args.aha)
+    from attr_engine.classifier import load_classifier
+    from attr_engine.explainer import get_explainer
+
+    classifier = load_classifier(**classifier_args(args, img_size=args.img_size)).to(device)
+    check_input_side(classifier, args.img_size or (classifier.input_size[1] if classifier.input_size else 224))
+    explainer = get_explainer("aha", classifier, aha=args.aha)
     names = _class_names(args.class_names)
     try:
         from attr_engine.aha.export import check_exportable

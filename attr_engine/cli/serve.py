@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -22,8 +23,8 @@ from attr_engine.cli._common import (
     UsageError,
     add_classifier_args,
     add_device_arg,
-    build_explainer,
-    load_classifier_args,
+    check_classifier_args,
+    check_input_side,
     parse_key_values,
     resolve_device,
     resolve_method,
@@ -168,24 +169,25 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
     options = parse_key_values(args.option, "--option")
     if args.img_size is not None and args.img_size < 1:
         raise UsageError(f"--img-size must be >= 1, got {args.img_size}")
-    classifier = load_classifier_args(args, resolve_device("cpu"), img_size=args.img_size, seed=args.seed)
+    check_classifier_args(args)
+    job = jobs.AttributionJob(
+        method=method, classifier=args.classifier, model=args.model, pretrained=args.pretrained,
+        num_classes=args.num_classes, img_size=args.img_size, aha=args.aha, refine_steps=args.refine_steps,
+        seed=args.seed, options=options, frame="model" if args.model_frame else "image", device=args.device,
+    )  # fmt: skip
+    # Built once here on the CPU to check everything before the cluster starts; each replica builds its own.
+    classifier = job.load_classifier(resolve_device("cpu"))
     img_size = args.img_size or (classifier.input_size[1] if classifier.input_size else 224)
+    check_input_side(classifier, img_size)
     crop_pct = args.crop_pct if args.crop_pct is not None else (1.0 if args.classifier else None)
     try:
         config = data_config(classifier, img_size=img_size, crop_pct=crop_pct)
     except ValueError as err:
         raise UsageError(f"--crop-pct: {err}") from None
-    build_explainer(method, classifier, aha_dir=args.aha, refine_steps=args.refine_steps, seed=args.seed,
-                    options=options)  # fmt: skip
-    from attr_engine.aha.persistence import classifier_fingerprint
+    job.get_explainer(classifier)
+    from attr_engine.classifier import classifier_fingerprint
 
-    job = jobs.AttributionJob(
-        method=method, classifier=args.classifier, model=args.model, pretrained=args.pretrained,
-        num_classes=args.num_classes, img_size=args.img_size, preprocess=config, aha=args.aha,
-        refine_steps=args.refine_steps, seed=args.seed, options=options,
-        frame="model" if args.model_frame else "image", device=args.device,
-        fingerprint=classifier_fingerprint(classifier),
-    )  # fmt: skip
+    job = dataclasses.replace(job, preprocess=config, fingerprint=classifier_fingerprint(classifier))
     return job, settings
 
 

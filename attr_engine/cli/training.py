@@ -14,11 +14,12 @@ from attr_engine.cli._common import (
     UsageError,
     add_classifier_args,
     add_device_arg,
+    check_model_flags,
     check_writable_dir,
-    load_classifier_args,
-    open_classifier,
+    classifier_args,
     parse_key_values,
     resolve_device,
+    warn_if_untrained,
     work_started,
 )
 
@@ -146,6 +147,7 @@ def run_train_classifier(args: argparse.Namespace) -> int:
 
     for flag in ("epochs", "batch_size", "num_images"):
         _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    check_model_flags(None, args.img_size)  # before any image is resized to it
     device = resolve_device(args.device)
     out = check_writable_dir(args.out)
     target = out / CLASSIFIER_FILE
@@ -216,6 +218,7 @@ def run_train_classifier(args: argparse.Namespace) -> int:
 def _initial_model(args: argparse.Namespace, img_size: int, num_classes: int) -> Any:
     """What training starts from: a preset's config, a checkpoint to fine-tune, pretrained timm weights, or a timm
     model name (built when training starts)."""
+    from attr_engine.classifier import load_classifier
     from attr_engine.classifier_training import small_model_config
 
     if args.model in SMALL_MODELS:
@@ -227,7 +230,7 @@ def _initial_model(args: argparse.Namespace, img_size: int, num_classes: int) ->
             raise UsageError(f"--init checkpoint not found: {args.init}")
         if args.pretrained:
             raise UsageError("--init and --pretrained exclude each other")
-        model = open_classifier(args.model, checkpoint=args.init, img_size=img_size)
+        model = load_classifier(args.model, checkpoint=args.init, img_size=img_size)
         if model.num_classes != num_classes:
             raise UsageError(
                 f"{args.init} has {model.num_classes} classes but the data has {num_classes}; fine-tuning keeps them"
@@ -235,7 +238,7 @@ def _initial_model(args: argparse.Namespace, img_size: int, num_classes: int) ->
         return model
     elif args.pretrained:
         # timm replaces the pretrained head by a fresh one when num_classes differs from the checkpoint's.
-        return open_classifier(args.model, pretrained=True, num_classes=num_classes, img_size=img_size)
+        return load_classifier(args.model, pretrained=True, num_classes=num_classes, img_size=img_size)
     else:
         from attr_engine.classifier import check_model_name
 
@@ -264,6 +267,7 @@ def aha_config_from_args(args: argparse.Namespace) -> Any:
 def run_train_aha(args: argparse.Namespace) -> int:
     from attr_engine.aha import AHA
     from attr_engine.aha.persistence import CHECKPOINTS_DIR, CONFIG_FILE, has_checkpoint
+    from attr_engine.classifier import load_classifier
     from attr_engine.distributed import process_rank
 
     for flag in ("epochs", "batch_size", "max_steps", "checkpoint_every", "num_images", "val_every", "patience"):
@@ -283,7 +287,8 @@ def run_train_aha(args: argparse.Namespace) -> int:
     if args.resume and resume is None and rank == 0:
         print(f"no checkpoint to resume in {out}; starting from scratch")
 
-    classifier = load_classifier_args(args, device, img_size=args.img_size)
+    classifier = load_classifier(**classifier_args(args, img_size=args.img_size)).to(device)
+    warn_if_untrained(args)
     img_size = args.img_size or (classifier.input_size[1] if classifier.input_size else 224)
     data = load_training_data(args.data, img_size=img_size, num_images=args.num_images, seed=config.seed)
     if classifier.num_classes < len(getattr(data, "class_names", ())):

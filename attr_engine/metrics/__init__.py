@@ -6,7 +6,8 @@
 - Localisation against object masks: pointing game, energy pointing game, top-k% mask IoU (``localisation``).
 
 Input checks shared by all metrics live in ``_checks`` (pixel maps) and ``_maps`` (Quantus-style maps with channels);
-the one perturbation-curve loop behind deletion / insertion, Pos / Neg and infidelity lives in ``_curves``.
+the one perturbation-curve loop behind deletion / insertion, Pos / Neg and infidelity lives in
+:mod:`attr_engine.metrics.curves` (public: MDA uses it too).
 """
 
 from attr_engine.metrics.faithfulness import (

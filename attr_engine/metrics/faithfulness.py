@@ -37,10 +37,10 @@ import torch
 from attr_engine.classifier import Classifier
 from attr_engine.imageops import resolve_reference
 from attr_engine.metrics._checks import check_classifier, check_images, check_pixel_maps, resolve_target
-from attr_engine.metrics._curves import batched_logits, perturbation_curve, target_probability
 from attr_engine.metrics._maps import prepare_maps
+from attr_engine.metrics.curves import batched_logits, perturbation_curve, target_probability
 from attr_engine.metrics.perturbation import pixel_ranks
-from kernels._validate import check_int_at_least, check_tensor
+from kernels.validate import check_int_at_least, check_tensor
 
 __all__ = [
     "INFIDELITY_BASELINES",

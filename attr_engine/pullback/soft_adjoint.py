@@ -54,9 +54,9 @@ from timm.models.pvt_v2 import Attention as PvtAttention
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from kernels._tl_helpers import compute_dtype
-from kernels._validate import check_bool, check_positive
+from kernels import compute_dtype
 from kernels.soft_gates import DEFAULT_POOL_TAU, DEFAULT_TAU, soft_gate, soft_maxpool2d
+from kernels.validate import check_bool, check_positive
 
 _P = ParamSpec("_P")
 
