@@ -180,11 +180,11 @@ def input_dtype(model: nn.Module) -> torch.dtype | None:
     return None
 
 
-# The most pixels one differentiated classifier call takes on a CPU: 32 images of 224 x 224. Its activations (and
+# The most pixels one differentiated classifier call takes on a CPU: 16 images of 224 x 224. Its activations (and
 # those kept for the backward) grow with the pixels of the call, and the methods that batch many variants of an
 # image (Integrated Gradients' path points, AHA's blends) would otherwise hold gigabytes at 224 px
 # (benches/README.md, "Memory on a CPU").
-CPU_PIXELS_PER_CALL = 32 * 224 * 224
+CPU_PIXELS_PER_CALL = 16 * 224 * 224
 
 
 def images_per_call(height: int, width: int, device: torch.device | str) -> int | None:

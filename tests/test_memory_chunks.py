@@ -36,10 +36,10 @@ def _record_batches(clf: Classifier) -> tuple[list[int], torch.utils.hooks.Remov
 
 
 def test_images_per_call_follows_the_image_size_on_a_cpu_only() -> None:
-    assert images_per_call(224, 224, "cpu") == 32
-    assert images_per_call(448, 448, torch.device("cpu")) == 8
+    assert images_per_call(224, 224, "cpu") == 16
+    assert images_per_call(448, 448, torch.device("cpu")) == 4
     assert images_per_call(4000, 4000, "cpu") == 1
-    assert images_per_call(32, 32, "cpu") == 32 * 49
+    assert images_per_call(32, 32, "cpu") == 16 * 49
     assert images_per_call(224, 224, "cuda") is None  # a device string: nothing runs there
 
 
