@@ -574,8 +574,9 @@ def load_error(name: str, pretrained: bool, err: BaseException) -> Exception:
             f"cannot load {name!r} with --pretrained: the Hugging Face hub is unreachable (offline) and its weights "
             "are not in the local cache"
         )
-    if isinstance(err, FileNotFoundError):
-        return FileNotFoundError(str(err))
+    if isinstance(err, FileNotFoundError):  # the hub's offline miss does not name the model: say which
+        text = " ".join(str(err).split())
+        return FileNotFoundError(text if name in text else f"cannot load {name!r}: {text}")
     return ValueError(f"cannot load {name!r}: {' '.join(str(err).split())[:300]}")
 
 

@@ -39,7 +39,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernels
-from benches.bench_region import _eager_blend, _eager_pool
+from benches.bench_region import _eager_pool
+from kernels.region import soft_mask_blend_reference
 from kernels.sinkhorn import sinkhorn_reference
 from kernels.soft_gates import soft_gate_reference, soft_maxpool2d_reference
 from kernels.soft_rank import _sample_seeds, soft_topk_masks_reference, triton_gumbel_noise
@@ -85,10 +86,11 @@ def _ops(device: str, smoke: bool) -> list[Op]:
 
     b, s, h, g = (2, 3, 13, 4) if smoke else (16, 16, 224, 14)
     blend_inputs = [rand(b, 3, h, h), rand(b, 3, h, h), rand(b, s, g, g)]
-    ops.append(Op("soft_mask_blend", f"B{b} S{s} 3x{h}x{h} g{g}", blend_inputs, kernels.soft_mask_blend, _eager_blend))
+    ops.append(Op("soft_mask_blend", f"B{b} S{s} 3x{h}x{h} g{g}", blend_inputs, kernels.soft_mask_blend,
+                  soft_mask_blend_reference))  # fmt: skip
     ops.append(Op("soft_mask_blend", f"B{b} S{s} 3x{h}x{h} g{g} smooth 1.0", blend_inputs,
                   lambda x, r, m: kernels.soft_mask_blend(x, r, m, smooth_sigma=1.0),
-                  lambda x, r, m: _eager_blend(x, r, m, 1.0)))  # fmt: skip
+                  lambda x, r, m: soft_mask_blend_reference(x, r, m, smooth_sigma=1.0)))  # fmt: skip
 
     shape = (2, 3, 5, 7) if smoke else (32, 64, 56, 56)
     ops.append(Op("soft_gate", "x".join(map(str, shape)), [rand(*shape, normal=True)],

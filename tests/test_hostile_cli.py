@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from attr_engine import jobs
+from attr_engine import jobs, model_sources
 from attr_engine.cli import main, user_error_message
 from tests.eval_helpers import single_thread, untrained_resnet_checkpoint
 
@@ -52,7 +52,7 @@ def no_work(monkeypatch):
     def run(*args, **kwargs):
         raise AssertionError("the job started its work before the bound refused it")
 
-    monkeypatch.setattr(jobs, "run", run)
+    monkeypatch.setattr(jobs, "explain", run)
 
 
 def _explain(checkpoint: Path, src: Path, out: Path, *extra: str) -> int:
@@ -246,7 +246,7 @@ def test_a_hub_name_offline_is_one_line_without_retries(images, tmp_path, monkey
 
     with socket.socket() as s:  # bound, never listening: a connection is refused at once
         s.bind(("127.0.0.1", 0))
-        monkeypatch.setattr(jobs, "HUB_HOST", ("127.0.0.1", s.getsockname()[1]))
+        monkeypatch.setattr(model_sources, "HUB_HOST", ("127.0.0.1", s.getsockname()[1]))
         monkeypatch.setenv("HF_HUB_OFFLINE", "0")
         monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
         args = ["--threads", "1", "explain", str(images), "--model", model, "--out", str(tmp_path / "out"),
@@ -286,6 +286,7 @@ def test_no_progress_silences_transformers_loading_bar(images, tmp_path, monkeyp
     root = tmp_path / "hf-vit"
     tiny_hf_vit().save_pretrained(root)
     ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(root)
+    capfd.readouterr()  # save_pretrained's own "Writing model shards" bar is not the command's
     args = ["--threads", "1", "explain", str(images), "--model", f"hf:{root}", "--pretrained", "--method", "saliency",
             "--out", str(tmp_path / "out"), "--no-progress", "--limit", "1"]  # fmt: skip
     assert main(args) == 0

@@ -114,7 +114,7 @@ def _predicted(classifier: Classifier, x: torch.Tensor) -> torch.Tensor:
     ValueError naming the validation images' size."""
     try:
         return classifier(x).argmax(1)
-    except (AssertionError, RuntimeError) as err:
+    except (AssertionError, RuntimeError, ValueError) as err:
         raise ValueError(
             f"the classifier refused validation images of size {x.shape[-2]} x {x.shape[-1]}: {err}"
         ) from err

@@ -9,14 +9,10 @@ The classifier sees the image as timm's evaluation transform cuts it (resize the
 is then written in the original image's frame, pixel for pixel aligned with it, the border the crop cut away
 ``NaN`` (and left uncoloured in the overlay). ``--model-frame`` keeps the map at the classifier's input size.
 The run itself is :func:`attr_engine.jobs.explain`: this module parses the flags into a job, opens the engine, calls
-it and prints. Every output is written atomically (temporary file, then rename), so a killed run leaves nothing
-half-written, and
-running the same command again does only what is missing. An input counts as done when its outputs exist, read back
-as valid files of the expected shape, *and* the journal says they were made with the current settings: after each
-input's outputs are in place, a line naming them and a digest of the settings is appended to
-``OUT/_manifest/rank<R>-of-<N>.jsonl``. So an interrupted ``--overwrite`` with other settings never passes old maps
-off as new ones, and an output damaged after the fact is redone. Temporary files a killed run left next to this
-process's outputs are removed on start.
+it and prints. Every output is written atomically, so a killed run leaves nothing half-written and the same command
+does only what is missing: an input is done when its outputs read back as valid files *and* the journal
+(``OUT/_manifest/rank<R>-of-<N>.jsonl``, a line per input with a digest of the settings) says they were made with
+the current settings, so an interrupted ``--overwrite`` never passes old maps off as new ones.
 
 ``OUT/explain.json`` records the settings once the first map of a run exists (a run that fails before leaves no
 record to block a corrected rerun); a later run with other settings is refused instead of silently mixing maps
@@ -50,6 +46,7 @@ from attr_engine.cli._common import (
     check_input_side,
     check_writable_dir,
     parse_key_values,
+    reset_phase,
     resolve_device,
     resolve_method,
     work_started,
@@ -341,6 +338,7 @@ def _explain(
             classifier=classifier, explainer=explainer,
         )  # fmt: skip
     except NoMapWrittenError as err:
+        reset_phase()  # nothing was written: no "what was finished is kept"
         raise UsageError(str(err)) from None
 
 
