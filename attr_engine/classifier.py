@@ -44,6 +44,7 @@ __all__ = [
     "check_against_weights",
     "check_device",
     "check_model_name",
+    "checkpoint_class_names",
     "checkpoint_model_name",
     "classifier_fingerprint",
     "eval_mode",
@@ -578,6 +579,25 @@ def load_error(name: str, pretrained: bool, err: BaseException) -> Exception:
         text = " ".join(str(err).split())
         return FileNotFoundError(text if name in text else f"cannot load {name!r}: {text}")
     return ValueError(f"cannot load {name!r}: {' '.join(str(err).split())[:300]}")
+
+
+def checkpoint_class_names(checkpoint: str | os.PathLike[str], classifier: Classifier) -> dict[int, str]:
+    """``{class id: name}`` from the ``train.json`` that ``train-classifier`` writes beside ``checkpoint``, used
+    only when it names this classifier's model and as many classes as it has; ``{}`` otherwise (no record, an
+    unreadable one, or one for another model)."""
+    try:
+        record = json.loads((Path(checkpoint).parent / "train.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    classes = record.get("classes") if isinstance(record, dict) else None
+    if (
+        isinstance(classes, list)
+        and len(classes) == classifier.num_classes
+        and all(isinstance(c, str) for c in classes)
+        and record.get("model") == getattr(classifier, "model_name", None)
+    ):
+        return dict(enumerate(classes))
+    return {}
 
 
 def classifier_fingerprint(classifier: Classifier) -> str:

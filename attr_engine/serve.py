@@ -45,7 +45,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from ray import serve
@@ -487,19 +486,9 @@ def class_names(job: AttributionJob, classifier: Classifier) -> dict[int, str]:
     with pretrained ImageNet weights: timm's ImageNet class descriptions, when the class count matches.
     """
     if job.classifier:
-        try:
-            record = json.loads((Path(job.classifier).parent / "train.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}
-        classes = record.get("classes") if isinstance(record, dict) else None
-        if (
-            isinstance(classes, list)
-            and len(classes) == classifier.num_classes
-            and all(isinstance(c, str) for c in classes)
-            and record.get("model") == getattr(classifier, "model_name", None)
-        ):
-            return dict(enumerate(classes))
-        return {}
+        from attr_engine.classifier import checkpoint_class_names
+
+        return checkpoint_class_names(job.classifier, classifier)
     if job.pretrained:
         from timm.data import ImageNetInfo, infer_imagenet_subset
 

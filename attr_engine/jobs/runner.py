@@ -13,7 +13,6 @@ share closes the run; the :class:`Summary` says what happened.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -224,18 +223,9 @@ def _class_names(job: AttributionJob, items: list[Item], classifier: Any, png: b
     if job.target == "label":
         return {item.label: Path(item.name).parts[0] for item in items if item.label >= 0}
     if job.classifier:
-        try:
-            record = json.loads((Path(job.classifier).parent / "train.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}
-        classes = record.get("classes") if isinstance(record, dict) else None
-        if (
-            isinstance(classes, list)
-            and len(classes) == classifier.num_classes
-            and all(isinstance(c, str) for c in classes)
-            and record.get("model") == getattr(classifier, "model_name", None)
-        ):
-            return dict(enumerate(classes))
+        from attr_engine.classifier import checkpoint_class_names
+
+        return checkpoint_class_names(job.classifier, classifier)
     return {}
 
 
