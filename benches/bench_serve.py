@@ -30,7 +30,6 @@ import argparse
 import os
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,31 +37,11 @@ import torch
 from torch import nn
 
 from attr_engine.aha import AHA, AHAConfig
-from attr_engine.classifier import Classifier, load_classifier
-from attr_engine.classifier_training import small_model_config
+from attr_engine.classifier import Classifier
+from benches.bench_floor import best_ms, build
 
 MODELS = ("resnet18", "vit")
 COLUMNS = ("classifier", "classifier ort", "attribute", "fused", "onnx", "pt2")
-
-
-def build(model: str, size: int) -> Classifier:
-    """An untrained 10-class classifier of ``model`` at ``size`` px, seeded."""
-    torch.manual_seed(0)
-    if model == "vit":
-        config = small_model_config("vit", size)
-        return load_classifier(config.name, num_classes=10, img_size=size, **config.kwargs)
-    return load_classifier(model, num_classes=10, img_size=size)
-
-
-def best_ms(fn: Callable[[], object], images: int, repeats: int) -> float:
-    """Minimum wall time of ``repeats`` calls after one warm-up, in ms per image."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times) / images
 
 
 class _Logits(nn.Module):
