@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attr_engine.aha import AHA, AHAConfig
 from attr_engine.classifier import Classifier
 
 
@@ -61,3 +62,9 @@ def colour_images(n: int, size: int = 32, seed: int = 0) -> tuple[torch.Tensor, 
         channel = 0 if labels[i] == 0 else 1
         x[i, channel][blob] = 0.9
     return x, labels
+
+
+def tiny_aha(classifier: Classifier) -> AHA:
+    """An untrained AHA with the smallest decoder at 32 px: for checks that the taps, decoder and export run, not
+    what they learned."""
+    return AHA(classifier, AHAConfig(decoder_dim=8, class_dim=4), img_size=32)

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from attr_engine.aha import AHA, AHAConfig
 from attr_engine.explainer import get_explainer, list_explainers
+from tests.aha_helpers import tiny_aha
 from tests.conftest import ZOO
 from tests.eval_helpers import single_thread
 
@@ -53,18 +53,13 @@ def _methods() -> list[str]:
     return [*list_explainers(), *FAMILY_MEMBERS]
 
 
-def _aha(clf) -> AHA:
-    # An untrained decoder: the matrix checks that the backbone taps and the decoder run, not what they learned.
-    return AHA(clf, AHAConfig(decoder_dim=8, class_dim=4), img_size=32)
-
-
 @pytest.mark.parametrize("model", ZOO)
 def test_every_method_explains_or_refuses_every_model_family(model: str, request) -> None:
     clf = request.getfixturevalue(model)
     x = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     ran, refused = [], {}
     for name in _methods():
-        kwargs = {"aha": _aha(clf)} if name == "aha" else {}
+        kwargs = {"aha": tiny_aha(clf)} if name == "aha" else {}
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # e.g. DeepLift's notes on untested nonlinearities

@@ -24,10 +24,11 @@ import numpy as np
 import pytest
 import torch
 
-from attr_engine.aha import AHA, AHAConfig
-from attr_engine.aha.persistence import classifier_fingerprint
+from attr_engine.aha import AHA
+from attr_engine.classifier import classifier_fingerprint
 from attr_engine.cli import main
 from attr_engine.explainer import get_explainer
+from tests.aha_helpers import tiny_aha
 from tests.conftest import ZOO
 from tests.eval_helpers import single_thread, untrained_resnet_checkpoint
 
@@ -45,10 +46,6 @@ def _one_thread() -> Iterator[None]:
         yield
 
 
-def _aha(clf) -> AHA:
-    return AHA(clf, AHAConfig(decoder_dim=8, class_dim=4), img_size=32)
-
-
 def _session(path: Path) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
@@ -62,7 +59,7 @@ def _images(n: int, seed: int = 2) -> torch.Tensor:
 @pytest.fixture(scope="module", params=ZOO)
 def exported(request, tmp_path_factory) -> tuple[AHA, Path, ort.InferenceSession]:
     """One ONNX export per family (traced at batch 2), shared by the tests of this module."""
-    aha = _aha(request.getfixturevalue(request.param))
+    aha = tiny_aha(request.getfixturevalue(request.param))
     path = aha.export(tmp_path_factory.mktemp(request.param) / "aha.onnx")
     return aha, path, _session(path)
 
@@ -119,7 +116,7 @@ def test_the_metadata_travels_in_the_file(exported) -> None:
 def test_class_names_and_a_changed_decoder_change_the_metadata(timm_cnn) -> None:
     from attr_engine.aha.export import export_metadata
 
-    aha = _aha(timm_cnn)
+    aha = tiny_aha(timm_cnn)
     names = ["cat", "dog", "cow", "ant", "bee"]
     meta = export_metadata(aha, 32, names)
     assert json.loads(meta["class_names"]) == names
@@ -132,12 +129,12 @@ def test_class_names_and_a_changed_decoder_change_the_metadata(timm_cnn) -> None
 def test_what_cannot_be_exported_is_refused_in_one_line(timm_cnn, timm_vit, tmp_path) -> None:
     out = tmp_path / "a.onnx"
     cases = [
-        (_aha(timm_cnn).with_options(refine_steps=2), {}, "refine_steps > 0 cannot be exported"),
+        (tiny_aha(timm_cnn).with_options(refine_steps=2), {}, "refine_steps > 0 cannot be exported"),
         (get_explainer("saliency", timm_cnn), {}, "only AHA exports"),
-        (_aha(timm_vit), {"img_size": 48}, "takes 32 x 32 images"),
-        (_aha(timm_cnn), {"img_size": 0}, "one fixed integer side"),
-        (_aha(timm_cnn), {"format": "tflite"}, "format must be one of"),
-        (_aha(timm_cnn), {"class_names": ["a"]}, "1 names for 5 classes"),
+        (tiny_aha(timm_vit), {"img_size": 48}, "takes 32 x 32 images"),
+        (tiny_aha(timm_cnn), {"img_size": 0}, "one fixed integer side"),
+        (tiny_aha(timm_cnn), {"format": "tflite"}, "format must be one of"),
+        (tiny_aha(timm_cnn), {"class_names": ["a"]}, "1 names for 5 classes"),
     ]
     for explainer, kwargs, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)) as info:
@@ -155,7 +152,7 @@ def test_a_failed_export_leaves_no_file(timm_cnn, tmp_path, monkeypatch) -> None
         raise RuntimeError("conversion failed")
 
     monkeypatch.setattr(torch.onnx, "export", broken)
-    aha = _aha(timm_cnn)
+    aha = tiny_aha(timm_cnn)
     aha.decoder.train()  # mid-training, say: tracing runs in eval mode and gives the mode back
     state = torch.random.get_rng_state()
     with pytest.raises(RuntimeError, match="conversion failed"):
@@ -178,7 +175,7 @@ def cli_artifact(tmp_path_factory) -> tuple[Path, Path, Path]:
     root = tmp_path_factory.mktemp("cli")
     checkpoint = untrained_resnet_checkpoint(root)
     aha_dir = root / "aha"
-    _aha(load_classifier("resnet10t", checkpoint=checkpoint)).save(aha_dir)
+    tiny_aha(load_classifier("resnet10t", checkpoint=checkpoint)).save(aha_dir)
     names = root / "names.json"
     names.write_text(json.dumps([f"class {i}" for i in range(6)]))
     out = root / "out" / "model.onnx"
@@ -266,7 +263,7 @@ def test_pt2_package_matches_eager_with_its_metadata(timm_cnn, tmp_path) -> None
     """The tiniest model only: the package is a C++ compile of the graph (tens of seconds on one CPU core)."""
     from torch._inductor import aoti_load_package
 
-    aha = _aha(timm_cnn)
+    aha = tiny_aha(timm_cnn)
     path = aha.export(tmp_path / "aha.pt2")
     assert path.is_file() and list(tmp_path.iterdir()) == [path]
     compiled = aoti_load_package(str(path))

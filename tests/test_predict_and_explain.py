@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from attr_engine.aha import AHA, AHAConfig
-from tests.aha_helpers import colour_classifier
+from tests.aha_helpers import colour_classifier, tiny_aha
 from tests.conftest import ZOO
 from tests.eval_helpers import single_thread
 
@@ -23,10 +22,6 @@ from tests.eval_helpers import single_thread
 def _one_thread() -> Iterator[None]:
     with single_thread():
         yield
-
-
-def _aha(clf) -> AHA:
-    return AHA(clf, AHAConfig(decoder_dim=8, class_dim=4), img_size=32)
 
 
 def _images(n: int = 3) -> torch.Tensor:
@@ -44,7 +39,7 @@ def _count_passes(model: nn.Module) -> tuple[list[int], torch.utils.hooks.Remova
 @pytest.mark.parametrize("model", ZOO)
 def test_maps_equal_attribute_of_the_predicted_class_from_one_pass(model: str, request) -> None:
     clf = request.getfixturevalue(model)
-    aha = _aha(clf)
+    aha = tiny_aha(clf)
     x = _images()
     calls, handle = _count_passes(clf.model)
     try:
@@ -65,7 +60,7 @@ def test_maps_equal_attribute_of_the_predicted_class_from_one_pass(model: str, r
 
 @pytest.mark.parametrize("model", ["timm_cnn", "hf_vit"])
 def test_a_given_target_is_explained_and_checked(model: str, request) -> None:
-    aha = _aha(request.getfixturevalue(model))
+    aha = tiny_aha(request.getfixturevalue(model))
     x = _images()
     _, maps = aha.predict_and_explain(x, target=[4, 0, 2])
     assert torch.equal(maps, aha.attribute(x, target=[4, 0, 2]))
@@ -81,18 +76,18 @@ def test_a_given_target_is_explained_and_checked(model: str, request) -> None:
 
 
 def test_refinement_shares_the_pass_and_equals_attribute(timm_cnn) -> None:
-    aha = _aha(timm_cnn).with_options(refine_steps=1, seed=3)
+    aha = tiny_aha(timm_cnn).with_options(refine_steps=1, seed=3)
     x = _images(2)
     logits, maps = aha.predict_and_explain(x)
     assert torch.equal(maps, aha.attribute(x, target=logits.argmax(dim=1)))
-    assert not torch.equal(maps, _aha(timm_cnn).predict_and_explain(x)[1])  # refinement did change the maps
+    assert not torch.equal(maps, tiny_aha(timm_cnn).predict_and_explain(x)[1])  # refinement did change the maps
     with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
         aha.predict_and_explain(x)
 
 
 def test_a_model_without_forward_head_falls_back_to_a_second_pass() -> None:
     clf = colour_classifier()  # forward_intermediates gives the levels only: no final features, no head
-    aha = AHA(clf, AHAConfig(decoder_dim=8, class_dim=4), img_size=32)
+    aha = tiny_aha(clf)
     x = _images(2)
     logits, maps = aha.predict_and_explain(x)
     assert not aha.backbone.fuses_logits
