@@ -34,9 +34,8 @@ from attr_engine._optional import optional_import
 from attr_engine.aha.config import AHAConfig
 from attr_engine.aha.loss import standardise
 from attr_engine.aha.network import Decoder, FeatureBackbone
-from attr_engine.aha.persistence import classifier_fingerprint
 from attr_engine.checkpoint import atomic_write
-from attr_engine.classifier import Classifier, eval_mode
+from attr_engine.classifier import Classifier, classifier_fingerprint, eval_mode
 
 __all__ = [
     "EXPORT_FORMATS",
