@@ -23,6 +23,11 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
   stride-32 stage is 2 x 2); ViTs: the last two blocks only.
 - ``steps``: the training length: twice the steps.
 - ``decoder``: the light decoder (``AHAConfig.decoder="light"``, issue #24: 2-3.4x cheaper) against the full one.
+- ``budget``: training with ``fit(val=)`` and early stopping (the config's ``val_every`` and ``patience``) on
+  ``BUDGET_VAL_IMAGES`` held-out images of the training distribution (another seed), capped at ``BUDGET_CAP``
+  times the leaderboard's steps; the notes say where it stopped and where its validation score peaked.
+- ``distance``: the reference-distance term (``AHAConfig.reference_distance``, issue #31's sub-cell order): a
+  learned multiple of log(|x − r|) added to the map, trained with the rest.
 
 ``--gap N`` (issue #31) replaces the families with the gap split on the first N test images: AHA T=0 and T=3,
 the per-image optimum of AHA's own objective (:meth:`AHA.optimise_maps`: a free map per image initialised from
@@ -40,6 +45,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -47,13 +53,46 @@ import torch
 
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.config import grid_rule
+from attr_engine.data import PhotoCropsDataset, ShapesDataset
 from attr_engine.evaluate import Leaderboard, evaluate
 from attr_engine.explainer import Explainer, get_explainer
 from attr_engine.report import leaderboard_markdown, write_markdown
 from benches.bench_leaderboard import FULL, PHOTOS_FULL, PHOTOS_QUICK, QUICK, composite, datasets, train
 
-FAMILIES = ("refs", "refs-each", "targets", "grid", "image", "taps", "steps", "decoder")
+FAMILIES = ("refs", "refs-each", "targets", "grid", "image", "taps", "steps", "decoder", "budget", "distance")
+# The budget family's cap, in multiples of the leaderboard's steps, and its held-out validation images.
+BUDGET_CAP = 4
+BUDGET_VAL_IMAGES = 64
 PEERS = ("integrated-gradients", "gradient-x-input", "pullback-soft", "pullback-ascent")
+
+
+# Refinement rows of the gap split (issue #31 item 4): {row: (steps, AHAConfig overrides)}. "AHA (T=3)" and
+# "AHA (T=6)" are the default refinement (set explicitly: a cached explainer's config keeps the refinement settings
+# it was saved with); "decoder" is the default before issue #31; the others change the rate, or spend more of
+# IG-50's budget (T=6 with 6 fractions and T=12 with 4 make 48 classifier passes with backward per image) or take
+# finer steps.
+_DEFAULT = AHAConfig()
+_MAP = {
+    "refine_mode": "map",
+    "refine_map_lr": _DEFAULT.refine_map_lr,
+    "refine_fractions": _DEFAULT.refine_fractions,
+    "refine_smooth": _DEFAULT.refine_smooth,
+}
+REFINEMENTS: dict[str, tuple[int, dict]] = {
+    "AHA (T=3)": (3, _MAP),
+    "AHA (T=3, decoder)": (3, {"refine_mode": "decoder", "refine_fractions": _DEFAULT.refine_fractions}),
+    "AHA (T=3, map lr 0.05)": (3, {**_MAP, "refine_map_lr": 0.05}),
+    "AHA (T=3, map lr 0.2)": (3, {**_MAP, "refine_map_lr": 0.2}),
+    "AHA (T=3, map smoothed 0.5)": (3, {**_MAP, "refine_smooth": 0.5}),
+    "AHA (T=3, map, training grids, 8 fractions)": (
+        3,
+        {**_MAP, "refine_grid_range": "training", "refine_fractions": 8},
+    ),
+    "AHA (T=6)": (6, _MAP),
+    "AHA (T=6, map lr 0.2)": (6, {**_MAP, "refine_map_lr": 0.2}),
+    "AHA (T=6, map smoothed 0.5)": (6, {**_MAP, "refine_smooth": 0.5}),
+    "AHA (T=12, map, 4 fractions)": (12, {**_MAP, "refine_fractions": 4}),
+}
 
 
 def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
@@ -88,6 +127,10 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
         return {"steps x2": {"_steps_factor": 2}}
     if family == "decoder":
         return {"decoder light": {"decoder": "light"}}
+    if family == "budget":
+        return {"budget early stopping": {"_val": True}}
+    if family == "distance":
+        return {"reference distance": {"reference_distance": True}}
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 
@@ -119,6 +162,25 @@ def optimum_rows(aha: AHA, x: torch.Tensor, steps: list[int], lr: float, seed: i
             chunks[s].append(out[s].cpu())
         log(f"optimum: {min(i + 10, len(x))}/{len(x)} images ({time.perf_counter() - start:.0f} s)")
     return {f"optimum s={s}": _Precomputed(x, torch.cat(chunks[s])) for s in steps}
+
+
+def validation_set(data: str, img: int, seed: int):
+    """The budget family's validation images: ``BUDGET_VAL_IMAGES`` of the training distribution, drawn with
+    another seed than the training and test sets (photos: crops of the training region of each photograph)."""
+    if data == "photos":
+        return PhotoCropsDataset(BUDGET_VAL_IMAGES, split="train", img_size=img, seed=seed + 7919)
+    return ShapesDataset(BUDGET_VAL_IMAGES, img_size=img, seed=seed + 7919)
+
+
+def stopping_note(name: str, history: dict, trained: int, cap: int) -> str:
+    """Where an early-stopped run stopped, and its validation curve (step: hard composite)."""
+    curve = list(zip(history["val_step"], history["val_composite"], strict=True))
+    best = max(curve, key=lambda point: point[1])
+    points = ", ".join(f"{int(s)}: {c:.3f}" for s, c in curve)
+    return (
+        f"{name}: stopped after {trained} of at most {cap} steps; validation composite best {best[1]:.3f} at step "
+        f"{int(best[0])} (weights of that step kept); curve {points}"
+    )
 
 
 def border_shares(maps: torch.Tensor, band: int, top: float = 0.1) -> tuple[float, float, float]:
@@ -164,14 +226,19 @@ def times_distance(aha: AHA):
 
 def gap(args: argparse.Namespace, classifier, aha: AHA, test_set, budget, acc: float) -> Leaderboard:
     """The gap split (issue #31, item 1) on the first ``args.gap`` test images; see the module docstring."""
-    x, labels = test_set.tensors()[:2]
-    x, labels = x[: args.gap], labels[: args.gap]
+    # Shapes carry masks: their localisation columns (the energy pointing game, mask IoU) ride along.
+    data = tuple(t[: args.gap] for t in test_set.tensors())
+    x = data[0]
+    metrics = ["deletion", "insertion"] + (["energy_pointing_game", "mask_iou"] if len(data) == 3 else [])
     log = lambda line: print(f"[{args.kind}] {line}", flush=True)
     start = time.perf_counter()
-    methods: dict[str, object] = {
-        "AHA (T=0)": get_explainer("aha", classifier, aha=aha),
-        "AHA (T=3)": get_explainer("aha", classifier, aha=aha, refine_steps=3, seed=args.seed),
-    }
+    methods: dict[str, object] = {"AHA (T=0)": get_explainer("aha", classifier, aha=aha)}
+    for name, (steps, overrides) in REFINEMENTS.items():
+        variant = aha.with_options()
+        if overrides.get("refine_grid_range") == "training":
+            overrides = {**overrides, "refine_grid_range": aha.config.grid_range}
+        variant.config = dataclasses.replace(aha.config, **overrides)
+        methods[name] = get_explainer("aha", classifier, aha=variant, refine_steps=steps, seed=args.seed)
     methods.update(optimum_rows(aha, x, args.gap_steps, args.gap_lr, args.seed, log))
     seconds = time.perf_counter() - start
     methods["AHA (T=0), decoder replicate-padded"] = get_explainer("aha", classifier, aha=replicate_padded(aha))
@@ -180,7 +247,7 @@ def gap(args: argparse.Namespace, classifier, aha: AHA, test_set, budget, acc: f
     methods["SfP"] = get_explainer("pullback-soft", classifier)
     methods["PA"] = get_explainer("pullback-ascent", classifier)
     board = evaluate(
-        classifier, methods, (x, labels), ["deletion", "insertion"], batch_size=16, seed=args.seed,
+        classifier, methods, data, metrics, batch_size=16, seed=args.seed,
         title=f"{args.kind} on {args.data} ({acc:.0%} accuracy), first {len(x)} of {budget.n_test} test images at "
         f"{args.img} px: gap split", log=log, extra_rankings=True, keep=len(x),
     )  # fmt: skip
@@ -225,8 +292,9 @@ def run(args: argparse.Namespace) -> Leaderboard:
     for family in args.family:
         for name, overrides in variants(family, args.kind, args.img, levels).items():
             factor = overrides.pop("_steps_factor", 1)
+            val = validation_set(args.data, args.img, args.seed) if overrides.pop("_val", False) else None
             config = dataclasses.replace(base, **overrides)
-            steps = budget.aha_steps * factor
+            steps = budget.aha_steps * (BUDGET_CAP if val is not None else factor)
             # Each trained variant is kept beside the leaderboard's cache entry, so a later run (another family,
             # or one stopped half-way) reuses it.
             folder = None
@@ -234,18 +302,24 @@ def run(args: argparse.Namespace) -> Leaderboard:
                 key = f"{args.data}_{args.kind}_{args.img}px_seed{args.seed}_{budget.n_train}x{budget.epochs}"
                 folder = args.cache / "ablations" / key / name.replace(" ", "_").replace("+", "-")
             start = time.perf_counter()
+            history: dict = {}
             if folder is not None and folder.is_dir():
                 variant = AHA.load(folder, classifier)
+                if (folder / "history.json").is_file():
+                    history = json.loads((folder / "history.json").read_text())
                 print(f"[{args.kind}] {name}: loaded from {folder}", flush=True)
             else:
                 variant = AHA(classifier, config)
-                variant.fit(train_set, batch_size=8, epochs=100, max_steps=steps, progress=False)
+                history = variant.fit(train_set, batch_size=8, epochs=100, max_steps=steps, progress=False, val=val)
                 if folder is not None:
                     variant.save(folder)
+                    (folder / "history.json").write_text(json.dumps({k: v for k, v in history.items() if "val" in k}))
             seconds = time.perf_counter() - start
-            print(f"[{args.kind}] {name}: {steps} steps in {seconds:.0f} s", flush=True)
+            print(f"[{args.kind}] {name}: {variant.steps_trained} steps in {seconds:.0f} s", flush=True)
             methods[name] = get_explainer("aha", classifier, aha=variant)
             notes.append(f"{name}: {overrides or ''} {steps} steps ({seconds:.0f} s)".replace("  ", " "))
+            if history.get("val_step"):
+                notes.append(stopping_note(name, history, variant.steps_trained, steps))
     options = {"integrated-gradients": {"n_steps": budget.ig_steps}}
     for name in PEERS:
         methods[name] = get_explainer(name, classifier, **options.get(name, {}))
@@ -275,7 +349,7 @@ def run(args: argparse.Namespace) -> Leaderboard:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", choices=("shapes", "photos"), default="photos")
-    parser.add_argument("--kind", choices=("vit", "resnet"), default="resnet")
+    parser.add_argument("--kind", choices=("vit", "resnet", "tv-resnet"), default="resnet")
     parser.add_argument("--img", type=int, default=64)
     parser.add_argument("--family", default=",".join(FAMILIES), help=f"comma-separated, from {FAMILIES}")
     parser.add_argument("--n-test", type=int, default=None, help="held-out images (default: the leaderboard's)")

@@ -10,8 +10,10 @@ refinement for each candidate setting, and with Integrated Gradients (50 steps),
 ms/image column compares side by side. Columns as in bench_aha_defaults (deletion / insertion: hard pixel ranking,
 AHA protocol; energy pointing game; top-k% mask IoU).
 
-A candidate is named ``d<depth> f<fractions> lr<rate>``: ``AHAConfig.refine_depth``, ``refine_fractions`` and
-``refine_lr``; every other refinement setting is the default (grids: the lower half of the training range).
+A candidate is named ``<mode> f<fractions> lr<rate>``: ``AHAConfig.refine_mode`` ("map": the map's own values at
+``refine_map_lr``; "decoder d<depth>": per-image copies of the decoder's last ``refine_depth`` layers at
+``refine_lr``) and ``refine_fractions``; every other refinement setting is the default (grids: the lower half of
+the training range).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from attr_engine.aha import AHA, AHAConfig
 from attr_engine.explainer import get_explainer
 from benches.bench_aha_defaults import Rows, bench_main, fmt_row, score, setup
 
-# (refine_depth, refine_fractions, refine_lr): the default first, then the alternatives measured against it.
-CANDIDATES = ((2, 6, 1e-3), (2, 8, 1e-3), (2, 8, 3e-3), (1, 8, 3e-2))
+# (refine_mode, refine_depth, refine_fractions, step size): the default first, then the alternatives measured
+# against it (the second is the default before issue #31).
+CANDIDATES = (("map", 2, 6, 0.1), ("decoder", 2, 6, 1e-3), ("map", 2, 6, 0.05), ("map", 2, 8, 0.1))
 
 
 def run(kind: str, args: argparse.Namespace) -> Rows:
@@ -40,10 +43,12 @@ def run(kind: str, args: argparse.Namespace) -> Rows:
                                             classifier, x, masks, target)),
         ("AHA T=0", score(aha.attribute, classifier, x, masks, target)),
     ]  # fmt: skip
-    for depth, fractions, lr in CANDIDATES:
+    for mode, depth, fractions, lr in CANDIDATES:
         # The explainer's config is frozen: each candidate is a changed copy over the same trained decoder.
-        aha.config = dataclasses.replace(trained, refine_depth=depth, refine_fractions=fractions, refine_lr=lr)
-        name = f"AHA T=3, d{depth} f{fractions} lr{lr:g}"
+        rate = {"refine_map_lr": lr} if mode == "map" else {"refine_lr": lr}
+        aha.config = dataclasses.replace(trained, refine_mode=mode, refine_depth=depth, refine_fractions=fractions,
+                                         **rate)  # fmt: skip
+        name = f"AHA T=3, {mode}{f' d{depth}' if mode == 'decoder' else ''} f{fractions} lr{lr:g}"
         rows.append((name, score(lambda xb, tb: aha.attribute(xb, tb, refine_steps=3, seed=0), classifier, x,
                                  masks, target)))  # fmt: skip
     aha.config = trained

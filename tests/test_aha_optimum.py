@@ -67,3 +67,45 @@ def test_optimise_maps_rejects_bad_arguments(kwargs, match):
         aha.optimise_maps(x, **kwargs)
     with pytest.raises(ValueError, match="x must be"):
         aha.optimise_maps(x[0], steps=1)
+
+
+def test_map_refinement_is_a_short_run_of_the_optimum_descent():
+    """``refine_mode="map"`` takes the optimum's steps (same start, loop and grid draws) under the refinement's
+    grids, fractions and rate: with those set to the training's, T refinement steps are T optimum steps."""
+    clf = colour_classifier()
+    config = AHAConfig(**FAST, refine_mode="map", refine_grid_range=(2, 6), refine_fractions=6, refine_map_lr=0.1)
+    aha = AHA(clf, config)
+    x, _ = colour_images(3)
+    target = clf(x).argmax(1)
+    refined = aha.attribute(x, target, refine_steps=4, seed=3)
+    optimum = aha.optimise_maps(x, target, steps=4, lr=0.1, seed=3)[4]
+    torch.testing.assert_close(refined, standardise_maps(optimum), atol=1e-5, rtol=1e-5)
+    assert (refined - aha.attribute(x, target)).abs().amax() > 1e-2  # the steps moved the maps
+    # A changed rate or grid range is a different descent.
+    other = aha.with_options()
+    other.config = AHAConfig(**{**FAST, "refine_grid_range": (2, 3)}, refine_fractions=6, refine_map_lr=0.1)
+    assert not torch.allclose(other.attribute(x, target, refine_steps=4, seed=3), refined, atol=1e-3)
+
+
+def test_smoothed_map_refinement_moves_the_map_smoothly_and_per_image():
+    """``refine_smooth`` > 0: the map moves by a Gaussian blur of its free values, so a step's per-cell blocks (a
+    sign pattern under Adam's first step) arrive without their edges; each map still depends on its image alone."""
+    clf = colour_classifier()
+    x, _ = colour_images(4)
+    target = clf(x).argmax(1)
+
+    def change(smooth: float, images: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
+        aha = AHA(clf, AHAConfig(**FAST, refine_grid_range=(4, 4), refine_smooth=smooth))
+        with torch.no_grad():
+            start = standardise_maps(aha(images, classes))
+        return aha._refine(images.clone(), classes, 2, 0) - start  # before attribute's standardisation
+
+    blocky, smooth = change(0.0, x, target), change(0.5, x, target)
+
+    def roughness(d: torch.Tensor) -> torch.Tensor:  # mean squared jump between neighbours, relative to the change
+        jumps = (d[:, 1:] - d[:, :-1]).square().mean() + (d[:, :, 1:] - d[:, :, :-1]).square().mean()
+        return jumps / d.square().mean()
+
+    assert smooth.abs().amax() > 1e-2  # it moved
+    assert roughness(smooth) < 0.5 * roughness(blocky), (roughness(smooth), roughness(blocky))
+    torch.testing.assert_close(change(0.5, x[1:2], target[1:2]), smooth[1:2], atol=1e-4, rtol=1e-4)

@@ -21,6 +21,8 @@ ENTRIES = (
     "perturbed-pixel count",
     "z-scored region scores",
     "sub-cell grid offset",
+    "refinement steps the map",  # issue #31
+    "reference-distance term",
     "Max-pool padding",
     "model's own head",  # LeGrad (issue #23)
     "A constant map is zero",

@@ -17,6 +17,8 @@ DECODERS = ("full", "light")
 FRACTION_SAMPLING = ("linspace", "random")
 TARGET_MODES = ("pred+label", "pred")
 SCORE_NORMS = ("raw", "zscore")
+# What test-time refinement steps (AHA._refine): the map itself, or per-image copies of the decoder's last layers.
+REFINE_MODES = ("map", "decoder")
 
 # The official grid range at 224 px is 7..28 cells; the rule below reproduces it there and keeps cells of at least
 # MIN_CELL_PX pixels and at least MIN_GRID cells per side (where the image allows) at every other size.
@@ -58,6 +60,8 @@ class AHAConfig:
         class_dim: size of the class embedding joined to every feature position (32). [project]
         image_dim: channels of the full-resolution image encoding; None = max(8, decoder_dim // 2). [project]
         decoder: "full" (3x3 convolutions) or "light" (depthwise-separable stages at high resolution). [project]
+        reference_distance: add a learned multiple of log(|x - r|) to the map, r the mean colour, to order the
+            pixels inside a cell (False). [measured]
         grid_range: inclusive (min, max) grid per step; None = :func:`grid_rule` of the short side. [official/measured]
         random_offset: shift the grid's cell boundaries by a random sub-cell offset each step (True). [project]
         tau_start: Sinkhorn temperature at the first step (1.0), annealed linearly to ``tau_end``. [official]
@@ -79,8 +83,13 @@ class AHAConfig:
         grad_clip: gradient-norm clip (1.0). [official]
         seed: seed of the training run (42). [official]
         amp: bf16 autocast of the classifier on CUDA (True). [official]
-        refine_lr: Adam step size of test-time refinement (1e-3). [measured]
-        refine_depth: decoder layers refined per image, 2 or 1 (2). [measured]
+        refine_mode: what refinement steps: "map" (each image's map, free values) or "decoder" (per-image copies of
+            the decoder's last layers) ("map"). [measured]
+        refine_map_lr: Adam step size of "map" refinement, in standard deviations of the map (0.1). [measured]
+        refine_smooth: "map" refinement moves the map by a Gaussian blur of its free values, sigma this fraction of
+            the finest refinement cell's side (0 = off, 0.0). [measured]
+        refine_lr: Adam step size of "decoder" refinement (1e-3). [measured]
+        refine_depth: decoder layers "decoder" refinement copies per image, 2 or 1 (2). [measured]
         refine_fractions: fractions per refinement curve (6). [measured]
         refine_grid_range: grids of refinement steps; None = the lower half of ``grid_range``. [measured]
         val_every: optimiser steps between two validation scores (50). [project]
@@ -96,6 +105,7 @@ class AHAConfig:
     class_dim: int = 32
     image_dim: int | None = None
     decoder: str = "full"
+    reference_distance: bool = False
 
     grid_range: tuple[int, int] | None = None
     random_offset: bool = True
@@ -120,6 +130,9 @@ class AHAConfig:
     seed: int = 42
     amp: bool = True
 
+    refine_mode: str = "map"
+    refine_map_lr: float = 0.1
+    refine_smooth: float = 0.0
     refine_lr: float = 1e-3
     refine_depth: int = 2
     refine_fractions: int = 6
@@ -137,7 +150,7 @@ class AHAConfig:
 
         if self.backbone is not None and (not isinstance(self.backbone, str) or not self.backbone):
             raise ValueError(f"backbone must be None or a timm model name, got {self.backbone!r}")
-        for name in ("backbone_pretrained", "random_offset", "amp"):
+        for name in ("backbone_pretrained", "random_offset", "amp", "reference_distance"):
             check_bool(getattr(self, name), name)
         if self.layers is not None:
             put("layers", _int_tuple(self.layers, "layers"))
@@ -155,6 +168,7 @@ class AHAConfig:
         # One interval has only the two ends, which do not depend on the map: the score could never change.
         check_int_at_least(self.val_fractions, "val_fractions", 2)
         put("min_delta", check_non_negative(self.min_delta, "min_delta"))
+        put("refine_smooth", check_non_negative(self.refine_smooth, "refine_smooth"))
         if check_int(self.refine_depth, "refine_depth") not in (1, 2):
             raise ValueError(f"refine_depth must be 1 or 2 (decoder layers refined per image), got {self.refine_depth}")
         for name in ("grid_range", "refine_grid_range"):
@@ -164,7 +178,9 @@ class AHAConfig:
                 if len(pair) != 2 or not 1 <= pair[0] <= pair[1]:
                     raise ValueError(f"{name} must be (min, max) with 1 <= min <= max, got {value!r}")
                 put(name, pair)
-        for name in ("tau_start", "tau_end", "lr", "refine_lr"):
+        if self.refine_mode not in REFINE_MODES:
+            raise ValueError(f"refine_mode must be one of {REFINE_MODES}, got {self.refine_mode!r}")
+        for name in ("tau_start", "tau_end", "lr", "refine_lr", "refine_map_lr"):
             put(name, check_positive(getattr(self, name), name))
         for name in ("noise", "peak_weight", "weight_decay", "grad_clip"):
             put(name, check_non_negative(getattr(self, name), name))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,7 +17,8 @@ from attr_engine.aha.persistence import WEIGHTS_FILE, load_checkpoint, save_expl
 from attr_engine.aha.trainer import fit as train_decoder
 from attr_engine.classifier import Classifier, check_device, eval_mode, resolve_targets
 from attr_engine.explainer import Explainer, register_explainer
-from attr_engine.imageops import reference_image
+from attr_engine.imageops import gaussian_blur, reference_image
+from kernels.region import blur_kernel_size
 from kernels.validate import check_int, check_int_at_least, check_positive, check_tensor
 
 __all__ = ["AHA"]
@@ -91,6 +92,7 @@ class AHA(nn.Module, Explainer):
                 self.config.class_dim,
                 self.config.image_dim,
                 self.config.decoder,
+                classifier.norm_mean if self.config.reference_distance else None,
             )
         self.decoder.to(classifier.norm_mean.device)
         self.steps_trained = 0
@@ -236,49 +238,108 @@ class AHA(nn.Module, Explainer):
         generator: torch.Generator | int | None,
         feats: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Fine-tune per-image copies of the decoder's last layers on each image's soft objective; return the maps.
+        """Refine each image's map on that image's soft objective for ``steps`` Adam steps; return (B, H, W) maps.
 
-        Each image gets its own copy of the last ``config.refine_depth`` decoder layers (:class:`PerImageTail`)
-        and the loss is the sum of the per-image objectives, so with Adam (elementwise) image i's copy sees only
-        its own gradient: a refined map does not depend on its batch mates. The grids and offsets of the steps are
-        drawn from ``generator`` alone, the same for every image. Everything before the tail runs once, without
-        autograd; a step costs ``2 x (config.refine_fractions - 2)`` classifier passes with backward per image
-        (the curves' ends do not depend on the map and are computed once). Refining decoder
-        weights rather than the map keeps the maps in the family the decoder draws (smooth, image aligned); gradient
-        steps on the map itself arrive through region pooling as per-cell blocks. The masks are smoothed as in
-        training (``config.mask_sigma``), and the grids are clipped to the short side of ``x``. ``feats``: the
-        backbone's levels of ``x`` if the caller has them (:meth:`predict_and_explain`), else one backbone pass
-        computes them.
+        ``config.refine_mode`` says what takes the steps. ``"map"``: the map itself, H x W free values per image
+        started from the standardised one-pass map, at rate ``config.refine_map_lr`` (in standard deviations of
+        that map): a short run of :meth:`optimise_maps`. ``"decoder"``: per-image copies of the decoder's last
+        ``config.refine_depth`` layers (:class:`PerImageTail`) at rate ``config.refine_lr``, which keeps the map in
+        the family the decoder draws but moves it less per step. Either way the loss is the sum of the per-image
+        objectives and Adam is elementwise, so a refined map does not depend on its batch mates, and the grids and
+        offsets of the steps come from ``generator`` alone, the same for every image. Everything before the steps
+        runs once without autograd; a step costs ``2 x (config.refine_fractions - 2)`` classifier passes with
+        backward per image (the curves' ends do not depend on the map). The masks are smoothed as in training
+        (``config.mask_sigma``), and the grids are clipped to the short side of ``x``. ``feats``: the backbone's
+        levels of ``x`` if the caller has them (:meth:`predict_and_explain`), else one backbone pass computes them.
         """
         cfg = self.config
         gen = _as_generator(generator if generator is not None else cfg.seed)
-        reference = reference_image(x, "mean", self.classifier.norm_mean)
         fractions = torch.linspace(0, 1, cfg.refine_fractions, device=x.device)
         # The grid may not exceed the short side of these images (kernels.region_pool): resolved clips the range.
-        lo, hi = cfg.resolved((x.shape[-2], x.shape[-1])).refine_grid_range  # type: ignore[misc]
+        grid_range = cfg.resolved((x.shape[-2], x.shape[-1])).refine_grid_range
+        assert grid_range is not None  # resolved fills it in
         with torch.no_grad():
             levels = self.backbone(x) if feats is None else feats
+            reference, ends = self._objective_ends(x, target)
+        if cfg.refine_mode == "map":
+            with torch.no_grad():
+                start = standardise_maps(self.decoder(levels, x, target).float())
+            if not cfg.refine_smooth:
+                free = nn.Parameter(start)
+                maps_of: Callable[[], torch.Tensor] = lambda: free
+            else:
+                # The map moves by a blur of its free values: a step's per-cell blocks arrive smoothed.
+                delta = nn.Parameter(torch.zeros_like(start))
+                sigma = cfg.refine_smooth * min(x.shape[-2:]) / grid_range[1]
+                size = blur_kernel_size(sigma)
+                maps_of = lambda: start + gaussian_blur(delta[:, None], size, sigma)[:, 0]
+                free = delta
+            maps = self._descend(x, target, [free], maps_of, steps=steps, lr=cfg.refine_map_lr,
+                                 fractions=fractions, grid_range=grid_range, generator=gen,
+                                 reference=reference, ends=ends)  # fmt: skip
+            return maps[steps]
+        with torch.no_grad():
             hidden = self.decoder.hidden(levels, x, target, cfg.refine_depth)
-            # The curves' ends (all kept / all removed) do not depend on the map: two passes for all the steps.
-            ends = target_probabilities(self.classifier, torch.stack((x, reference), dim=1), target, amp=cfg.amp)
-            endpoints = (ends[:, 0], ends[:, 1])
         tail = PerImageTail(self.decoder, x.shape[0], cfg.refine_depth)
-        optimizer = torch.optim.Adam(tail.parameters(), lr=cfg.refine_lr)
+        maps = self._descend(x, target, list(tail.parameters()), lambda: self.decoder.with_distance(tail(hidden), x),
+                             steps=steps, lr=cfg.refine_lr,
+                             fractions=fractions, grid_range=grid_range, generator=gen,
+                             reference=reference, ends=ends)  # fmt: skip
+        return maps[steps]
+
+    def _objective_ends(
+        self, x: torch.Tensor, target: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The mean-colour reference (B, 3, H, W) of the objective and its curves' ends: the target's probability
+        on x (all kept) and on the reference (all removed), each (B,), which no map changes."""
+        reference = reference_image(x, "mean", self.classifier.norm_mean)
+        ends = target_probabilities(self.classifier, torch.stack((x, reference), dim=1), target, amp=self.config.amp)
+        return reference, (ends[:, 0], ends[:, 1])
+
+    def _descend(
+        self,
+        x: torch.Tensor,
+        target: torch.Tensor,
+        params: list[torch.Tensor],
+        maps_of: Callable[[], torch.Tensor],
+        *,
+        steps: int,
+        lr: float,
+        fractions: torch.Tensor,
+        grid_range: tuple[int, int],
+        generator: torch.Generator,
+        reference: torch.Tensor,
+        ends: tuple[torch.Tensor, torch.Tensor],
+        record: Sequence[int] = (),
+    ) -> dict[int, torch.Tensor]:
+        """Adam on ``params`` against the sum of the per-image soft objectives of ``maps_of()`` (B, H, W).
+
+        The one loop of refinement and of :meth:`optimise_maps`: each step draws a grid from ``grid_range`` and
+        (with ``config.random_offset``) a sub-cell offset from ``generator``, and scores the maps as training does
+        at its final temperature without Gumbel noise. Returns ``{step: (B, H, W) float32 maps}`` for every step in
+        ``record`` and for ``steps``.
+        """
+        cfg = self.config.resolved((x.shape[-2], x.shape[-1]))
+        optimizer = torch.optim.Adam(params, lr=lr)
+        out: dict[int, torch.Tensor] = {}
         with torch.enable_grad():
-            for _ in range(steps):
-                grid = int(torch.randint(lo, hi + 1, (1,), generator=gen))
-                offset = tuple(torch.rand(2, generator=gen).tolist()) if cfg.random_offset else (0.0, 0.0)
+            for step in range(steps + 1):
+                if step in record or step == steps:
+                    out[step] = maps_of().detach().float().clone()
+                if step == steps:
+                    break
+                grid = int(torch.randint(grid_range[0], grid_range[1] + 1, (1,), generator=generator))
+                offset = tuple(torch.rand(2, generator=generator).tolist()) if cfg.random_offset else (0.0, 0.0)
                 result = soft_auc_loss(
-                    self.classifier, x, tail(hidden), target, reference, grid=grid, fractions=fractions,
-                    tau=cfg.tau_end, offset=offset, noise=0.0, endpoints=endpoints, **cfg.loss_kwargs(),
+                    self.classifier, x, maps_of(), target, reference, grid=grid, fractions=fractions,
+                    tau=cfg.tau_end, offset=offset, noise=0.0, endpoints=ends, **cfg.loss_kwargs(),
                 )  # fmt: skip
                 optimizer.zero_grad(set_to_none=True)
                 # The batch mean times B is the sum of the per-image objectives (the peak term is a mean over
-                # pixels of the batch too): each copy's gradient is its own image's, not scaled by 1 / B.
+                # pixels of the batch too): each image's parameters get its own gradient, not scaled by 1 / B.
                 (result.loss * x.shape[0]).backward()
                 optimizer.step()
-        with torch.no_grad():
-            return tail(hidden).float()
+        return out
 
     def optimise_maps(
         self,
@@ -298,8 +359,9 @@ class AHA(nn.Module, Explainer):
         the final temperature ``tau_end`` without Gumbel noise, the mask smoothing and peak penalty of training,
         and the mean-colour reference the metrics use. The loss is the sum of the per-image objectives, so a map
         does not depend on its batch mates. No cost limit: this measures what the objective itself would give each
-        image (its gap to the one-pass map is the amortization gap), not a method to serve. A step costs
-        ``2 x (n_fractions - 2)`` classifier passes with backward per image.
+        image (its gap to the one-pass map is the amortization gap); refinement with ``refine_mode="map"`` is a
+        short run of the same descent. A step costs ``2 x (n_fractions - 2)`` classifier passes with backward per
+        image.
 
         Args:
             x: (B, 3, H, W) images in [0, 1]; target: (B,) classes (``None``: the predicted ones).
@@ -318,34 +380,18 @@ class AHA(nn.Module, Explainer):
         if x.ndim != 4 or x.shape[1] != 3 or not x.is_floating_point():
             raise ValueError(f"x must be float images (B, 3, H, W), got {tuple(x.shape)} {x.dtype}")
         cfg = self.config.resolved((x.shape[-2], x.shape[-1]))
+        assert cfg.grid_range is not None  # resolved fills it in
         x = x.float().to(self.device)
-        gen = _as_generator(cfg.seed if seed is None else seed)
         with torch.no_grad():
             if target is None:
                 target = self.classifier(x).argmax(dim=1)
             target = target.to(self.device)
-            maps = standardise_maps(self(x, target).float())
-            reference = reference_image(x, "mean", self.classifier.norm_mean)
-            ends = target_probabilities(self.classifier, torch.stack((x, reference), dim=1), target, amp=cfg.amp)
+            free = nn.Parameter(standardise_maps(self(x, target).float()))
+            reference, ends = self._objective_ends(x, target)
         fractions = torch.linspace(0, 1, cfg.n_fractions, device=x.device)
-        lo, hi = cfg.grid_range  # type: ignore[misc]
-        free = nn.Parameter(maps.clone())
-        optimizer = torch.optim.Adam([free], lr=lr)
-        out = {0: maps.clone()} if 0 in wanted else {}
-        with torch.enable_grad():
-            for step in range(1, steps + 1):
-                grid = int(torch.randint(lo, hi + 1, (1,), generator=gen))
-                offset = tuple(torch.rand(2, generator=gen).tolist()) if cfg.random_offset else (0.0, 0.0)
-                result = soft_auc_loss(
-                    self.classifier, x, free, target, reference, grid=grid, fractions=fractions, tau=cfg.tau_end,
-                    offset=offset, noise=0.0, endpoints=(ends[:, 0], ends[:, 1]), **cfg.loss_kwargs(),
-                )  # fmt: skip
-                optimizer.zero_grad(set_to_none=True)
-                (result.loss * x.shape[0]).backward()  # the sum of the per-image objectives (see _refine)
-                optimizer.step()
-                if step in wanted:
-                    out[step] = free.detach().clone()
-        return out
+        return self._descend(x, target, [free], lambda: free, steps=steps, lr=lr, fractions=fractions,
+                             grid_range=cfg.grid_range, generator=_as_generator(cfg.seed if seed is None else seed),
+                             reference=reference, ends=ends, record=wanted)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------------------
     # Training

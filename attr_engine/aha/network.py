@@ -23,6 +23,10 @@ from attr_engine.aha.config import DECODERS
 from attr_engine.classifier import Classifier, load_classifier
 from attr_engine.model_sources import is_hf_classifier, is_torchvision_vit
 
+# The floor added to a pixel's colour distance from the reference before its log (Decoder's reference-distance
+# term): about 5/255 per channel, so a pixel of exactly the reference colour gets a finite, lowest value.
+DISTANCE_EPS = 0.02
+
 
 class FeatureBackbone(nn.Module):
     """Frozen multi-level features of a timm, torchvision or Hugging Face classifier, as (B, C, h, w) maps.
@@ -327,7 +331,15 @@ class Decoder(nn.Module):
             refinement adapts). Per input pixel that is about ``13 * image_dim^2 + 50 * image_dim`` multiply-adds
             (~15 k at 32 channels, against ~84 k for "full" at dim 64): the cost follows the image encoding's
             width, not the fused one.
+        reference: the reference colour (3,) in [0, 1] of a reference-distance term (``AHAConfig.
+            reference_distance``): the map gains ``w * log(||x - r|| + DISTANCE_EPS)`` per pixel, with ``w`` a
+            learned scalar starting at 0 (the untrained map is unchanged). It orders the pixels inside a cell,
+            which the region-pooled objective never ranks: a pixel of the reference colour changes nothing when
+            deleted or inserted, so a positive ``w`` moves it last (what the ``x·(x−r)`` rankings do). ``None``: no
+            term. The colour is not stored in the weights (the classifier's mean gives it back on load).
     """
+
+    reference: torch.Tensor  # (1, 3, 1, 1), a buffer where the reference-distance term is on
 
     def __init__(
         self,
@@ -337,6 +349,7 @@ class Decoder(nn.Module):
         class_dim: int = 32,
         image_dim: int | None = None,
         kind: str = "full",
+        reference: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         if kind not in DECODERS:
@@ -367,6 +380,11 @@ class Decoder(nn.Module):
         # No bias: rankings ignore a constant offset, so its gradient is pure rounding noise that Adam would
         # amplify into a random walk.
         self.out = nn.Conv2d(half, 1, 1, bias=False)
+        # Created after every other weight: the seeded initialisation of the rest is the same with or without it.
+        self.distance_weight: nn.Parameter | None = None
+        if reference is not None:
+            self.distance_weight = nn.Parameter(torch.zeros(()))
+            self.register_buffer("reference", reference.detach().float().reshape(1, 3, 1, 1).clone(), persistent=False)
         # channels_last convolution weights (and activations, see trunk): oneDNN's direct kernels skip the reorders
         # it otherwise does around every convolution; 1.3-1.4x faster decoder on the CPU (bench_floor, 32 and
         # 64 px). Same values up to rounding; a checkpoint stores the weights contiguous either way.
@@ -374,7 +392,15 @@ class Decoder(nn.Module):
 
     def forward(self, feats: list[torch.Tensor], x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """feats: levels (B, C_l, h_l, w_l); x: (B, 3, H, W) in [0, 1]; target: (B,) class ids -> (B, H, W)."""
-        return self.out(self.head(self.trunk(feats, x, target)))[:, 0]
+        return self.with_distance(self.out(self.head(self.trunk(feats, x, target)))[:, 0], x)
+
+    def with_distance(self, maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """maps (B, H, W) plus the reference-distance term of x (B, 3, H, W) (see ``reference``); unchanged
+        without one. The decoder's last layers end here, so refinement of a :class:`PerImageTail` adds it too."""
+        if self.distance_weight is None:
+            return maps
+        distance = torch.linalg.vector_norm(x.float() - self.reference, dim=1)
+        return maps + self.distance_weight * torch.log(distance + DISTANCE_EPS)
 
     def hidden(self, feats: list[torch.Tensor], x: torch.Tensor, target: torch.Tensor, depth: int) -> torch.Tensor:
         """The activations (B, C, H, W) that enter the decoder's last ``depth`` layers (1: the output projection;
