@@ -45,6 +45,11 @@ class ColourNet(nn.Module):
         return self.gain * torch.stack((ev, -ev), dim=1)
 
 
+# The smallest AHA config that still trains and refines in a test (6 fractions, 8 Sinkhorn iterations, a 16-channel
+# decoder, grids 2..6 on 32 px images): shared by the AHA tests.
+FAST = {"n_fractions": 6, "n_iters": 8, "decoder_dim": 16, "class_dim": 8, "grid_range": (2, 6)}
+
+
 def colour_classifier() -> Classifier:
     """ColourNet on raw [0, 1] pixels (identity normalisation), input size 32."""
     return Classifier(ColourNet(), mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), input_size=(3, 32, 32))

@@ -19,9 +19,7 @@ from attr_engine.aha.loss import soft_auc_loss, trapezoid_auc
 from attr_engine.classifier import Classifier, load_classifier
 from attr_engine.metrics import deletion_insertion
 from attr_engine.pullback import SemanticPullback
-from tests.aha_helpers import ColourNet, colour_classifier, colour_images
-
-FAST = {"n_fractions": 6, "n_iters": 8, "decoder_dim": 16, "class_dim": 8, "grid_range": (2, 6)}
+from tests.aha_helpers import FAST, ColourNet, colour_classifier, colour_images
 
 
 class _Pairs(torch.utils.data.Dataset):

@@ -9,9 +9,7 @@ import torch
 
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.network import DISTANCE_EPS
-from tests.aha_helpers import colour_classifier, colour_images
-
-FAST = {"n_fractions": 6, "n_iters": 8, "decoder_dim": 16, "class_dim": 8, "grid_range": (2, 6)}
+from tests.aha_helpers import FAST, colour_classifier, colour_images
 
 
 def _log_distance(aha: AHA, x: torch.Tensor) -> torch.Tensor:

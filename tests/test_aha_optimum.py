@@ -10,9 +10,7 @@ from attr_engine.aha.loss import soft_auc_loss
 from attr_engine.aha.model import standardise_maps
 from attr_engine.imageops import reference_image
 from attr_engine.metrics import deletion_insertion
-from tests.aha_helpers import colour_classifier, colour_images
-
-FAST = {"n_fractions": 6, "n_iters": 8, "decoder_dim": 16, "class_dim": 8, "grid_range": (2, 6)}
+from tests.aha_helpers import FAST, colour_classifier, colour_images
 
 
 def _objective(aha: AHA, x: torch.Tensor, maps: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

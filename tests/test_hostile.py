@@ -24,10 +24,10 @@ from attr_engine.aha.persistence import CONFIG_FILE, WEIGHTS_FILE
 from attr_engine.checkpoint import load_safetensors, save_safetensors
 from attr_engine.classifier import load_classifier
 from attr_engine.cli import main
+from tests.aha_helpers import FAST
 from tests.eval_helpers import single_thread, untrained_resnet_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-FAST = {"n_fractions": 6, "n_iters": 8, "decoder_dim": 16, "class_dim": 8, "grid_range": (2, 6)}
 
 
 @pytest.fixture(autouse=True)

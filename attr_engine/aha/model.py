@@ -261,30 +261,30 @@ class AHA(nn.Module, Explainer):
         with torch.no_grad():
             levels = self.backbone(x) if feats is None else feats
             reference, ends = self._objective_ends(x, target)
+        # What takes the steps (params) and how the maps follow from it (maps_of); the descent is the same.
+        maps_of: Callable[[], torch.Tensor]
+        params: list[torch.Tensor]
         if cfg.refine_mode == "map":
             with torch.no_grad():
                 start = standardise_maps(self.decoder(levels, x, target).float())
             if not cfg.refine_smooth:
                 free = nn.Parameter(start)
-                maps_of: Callable[[], torch.Tensor] = lambda: free
+                maps_of = lambda: free
             else:
                 # The map moves by a blur of its free values: a step's per-cell blocks arrive smoothed.
-                delta = nn.Parameter(torch.zeros_like(start))
+                free = nn.Parameter(torch.zeros_like(start))
                 sigma = cfg.refine_smooth * min(x.shape[-2:]) / grid_range[1]
                 size = blur_kernel_size(sigma)
-                maps_of = lambda: start + gaussian_blur(delta[:, None], size, sigma)[:, 0]
-                free = delta
-            maps = self._descend(x, target, [free], maps_of, steps=steps, lr=cfg.refine_map_lr,
-                                 fractions=fractions, grid_range=grid_range, generator=gen,
-                                 reference=reference, ends=ends)  # fmt: skip
-            return maps[steps]
-        with torch.no_grad():
-            hidden = self.decoder.hidden(levels, x, target, cfg.refine_depth)
-        tail = PerImageTail(self.decoder, x.shape[0], cfg.refine_depth)
-        maps = self._descend(x, target, list(tail.parameters()), lambda: self.decoder.with_distance(tail(hidden), x),
-                             steps=steps, lr=cfg.refine_lr,
-                             fractions=fractions, grid_range=grid_range, generator=gen,
-                             reference=reference, ends=ends)  # fmt: skip
+                maps_of = lambda: start + gaussian_blur(free[:, None], size, sigma)[:, 0]
+            params, lr = [free], cfg.refine_map_lr
+        else:
+            with torch.no_grad():
+                hidden = self.decoder.hidden(levels, x, target, cfg.refine_depth)
+            tail = PerImageTail(self.decoder, x.shape[0], cfg.refine_depth)
+            maps_of = lambda: self.decoder.with_distance(tail(hidden), x)
+            params, lr = list(tail.parameters()), cfg.refine_lr
+        maps = self._descend(x, target, params, maps_of, steps=steps, lr=lr, fractions=fractions,
+                             grid_range=grid_range, generator=gen, reference=reference, ends=ends)  # fmt: skip
         return maps[steps]
 
     def _objective_ends(
