@@ -28,6 +28,14 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
   times the leaderboard's steps; the notes say where it stopped and where its validation score peaked.
 - ``distance``: the reference-distance term (``AHAConfig.reference_distance``, issue #31's sub-cell order): a
   learned multiple of log(|x − r|) added to the map, trained with the rest.
+- ``noise``: the sorter's Gumbel noise in training (``AHAConfig.noise``, official 1.0) at 0.3 and 0: the
+  per-image optimum that beats every peer ranks without noise, so the noise is a difference between what training
+  and the optimum optimise (issue #31's amortization gap).
+- ``lr``: the decoder's learning rate (``AHAConfig.lr``, official 3e-4) at 1e-3: the ``budget`` family's
+  validation curve still rises long after the leaderboard's 400 steps.
+- ``padding``: the decoder's convolutions padding by edge replication, trained with (``AHAConfig.
+  decoder_padding="replicate"``), against zeros: issue #31's border mass (the ``--gap`` probe swaps the padding
+  into the trained decoder instead).
 
 ``--gap N`` (issue #31) replaces the families with the gap split on the first N test images: AHA T=0 and T=3,
 the per-image optimum of AHA's own objective (:meth:`AHA.optimise_maps`: a free map per image initialised from
@@ -59,7 +67,21 @@ from attr_engine.explainer import Explainer, get_explainer
 from attr_engine.report import leaderboard_markdown, write_markdown
 from benches.bench_leaderboard import FULL, PHOTOS_FULL, PHOTOS_QUICK, QUICK, composite, datasets, train
 
-FAMILIES = ("refs", "refs-each", "targets", "grid", "image", "taps", "steps", "decoder", "budget", "distance")
+FAMILIES = (
+    "refs",
+    "refs-each",
+    "targets",
+    "grid",
+    "image",
+    "taps",
+    "steps",
+    "decoder",
+    "budget",
+    "distance",
+    "noise",
+    "lr",
+    "padding",
+)
 # The budget family's cap, in multiples of the leaderboard's steps, and its held-out validation images.
 BUDGET_CAP = 4
 BUDGET_VAL_IMAGES = 64
@@ -131,6 +153,12 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
         return {"budget early stopping": {"_val": True}}
     if family == "distance":
         return {"reference distance": {"reference_distance": True}}
+    if family == "noise":
+        return {"noise 0.3": {"noise": 0.3}, "noise 0": {"noise": 0.0}}
+    if family == "lr":
+        return {"lr 1e-3": {"lr": 1e-3}}
+    if family == "padding":
+        return {"padding replicate": {"decoder_padding": "replicate"}}
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 

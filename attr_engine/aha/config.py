@@ -11,8 +11,9 @@ from typing import Any
 from attr_engine.imageops import REFERENCES
 from kernels.validate import check_bool, check_int, check_int_at_least, check_non_negative, check_positive
 
-# The decoder designs (attr_engine.aha.network.Decoder's ``kind``).
+# The decoder designs (attr_engine.aha.network.Decoder's ``kind``) and how its convolutions pad the frame.
 DECODERS = ("full", "light")
+DECODER_PADDINGS = ("zeros", "replicate")
 
 FRACTION_SAMPLING = ("linspace", "random")
 TARGET_MODES = ("pred+label", "pred")
@@ -60,6 +61,8 @@ class AHAConfig:
         class_dim: size of the class embedding joined to every feature position (32). [project]
         image_dim: channels of the full-resolution image encoding; None = max(8, decoder_dim // 2). [project]
         decoder: "full" (3x3 convolutions) or "light" (depthwise-separable stages at high resolution). [project]
+        decoder_padding: how the decoder's 3x3 convolutions pad the frame: "zeros" or "replicate" (the edge
+            pixels repeated, so the frame's outer rows see no artificial dark border) ("zeros"). [measured]
         reference_distance: add a learned multiple of log(|x - r|) to the map, r the mean colour, to order the
             pixels inside a cell (False). [measured]
         grid_range: inclusive (min, max) grid per step; None = :func:`grid_rule` of the short side. [official/measured]
@@ -105,6 +108,7 @@ class AHAConfig:
     class_dim: int = 32
     image_dim: int | None = None
     decoder: str = "full"
+    decoder_padding: str = "zeros"
     reference_distance: bool = False
 
     grid_range: tuple[int, int] | None = None
@@ -160,6 +164,8 @@ class AHAConfig:
             check_int_at_least(self.image_dim, "image_dim", 1)
         if self.decoder not in DECODERS:
             raise ValueError(f"decoder must be one of {DECODERS}, got {self.decoder!r}")
+        if self.decoder_padding not in DECODER_PADDINGS:
+            raise ValueError(f"decoder_padding must be one of {DECODER_PADDINGS}, got {self.decoder_padding!r}")
         check_int_at_least(self.n_iters, "n_iters", 1)
         check_int_at_least(self.n_fractions, "n_fractions", 2)  # a curve needs two points
         check_int_at_least(self.refine_fractions, "refine_fractions", 2)

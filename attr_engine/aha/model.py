@@ -93,6 +93,7 @@ class AHA(nn.Module, Explainer):
                 self.config.image_dim,
                 self.config.decoder,
                 classifier.norm_mean if self.config.reference_distance else None,
+                self.config.decoder_padding,
             )
         self.decoder.to(classifier.norm_mean.device)
         self.steps_trained = 0

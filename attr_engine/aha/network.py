@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attr_engine.aha.config import DECODERS
+from attr_engine.aha.config import DECODER_PADDINGS, DECODERS
 from attr_engine.classifier import Classifier, load_classifier
 from attr_engine.model_sources import is_hf_classifier, is_torchvision_vit
 
@@ -337,6 +337,10 @@ class Decoder(nn.Module):
             which the region-pooled objective never ranks: a pixel of the reference colour changes nothing when
             deleted or inserted, so a positive ``w`` moves it last (what the ``x·(x−r)`` rankings do). ``None``: no
             term. The colour is not stored in the weights (the classifier's mean gives it back on load).
+        padding: how every 3x3 convolution pads the frame (``AHAConfig.decoder_padding``): ``"zeros"`` or
+            ``"replicate"``. Zero padding shows each convolution a dark border that no image has, which trained
+            weights can turn into extra (or missing) weight on the frame's outer pixels; replicate padding extends
+            the edge pixels instead. Only the padding changes: the weights and their shapes are the same.
     """
 
     reference: torch.Tensor  # (1, 3, 1, 1), a buffer where the reference-distance term is on
@@ -350,10 +354,13 @@ class Decoder(nn.Module):
         image_dim: int | None = None,
         kind: str = "full",
         reference: torch.Tensor | None = None,
+        padding: str = "zeros",
     ) -> None:
         super().__init__()
         if kind not in DECODERS:
             raise ValueError(f"decoder kind must be one of {DECODERS}, got {kind!r}")
+        if padding not in DECODER_PADDINGS:
+            raise ValueError(f"decoder padding must be one of {DECODER_PADDINGS}, got {padding!r}")
         self.kind = kind
         self.class_embed = nn.Embedding(num_classes, class_dim)
         nn.init.normal_(self.class_embed.weight, std=1.0)
@@ -380,6 +387,9 @@ class Decoder(nn.Module):
         # No bias: rankings ignore a constant offset, so its gradient is pure rounding noise that Adam would
         # amplify into a random walk.
         self.out = nn.Conv2d(half, 1, 1, bias=False)
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d) and module.padding != (0, 0):
+                module.padding_mode = padding  # type: ignore[assignment]  # one of DECODER_PADDINGS, checked above
         # Created after every other weight: the seeded initialisation of the rest is the same with or without it.
         self.distance_weight: nn.Parameter | None = None
         if reference is not None:
@@ -476,6 +486,7 @@ class PerImageTail(nn.Module):
             bias = conv.bias
             assert bias is not None  # every head convolution has one
             self.padding = conv.kernel_size[0] // 2
+            self.padding_mode = conv.padding_mode  # "zeros" or "replicate", as the decoder pads
             self.weight = nn.Parameter(conv.weight.detach().repeat(batch, 1, 1, 1))  # (B * C, C, k, k)
             self.bias = nn.Parameter(bias.detach().repeat(batch))  # (B * C,)
 
@@ -484,5 +495,8 @@ class PerImageTail(nn.Module):
         if self.depth == 2:
             bsz, ch, height, width = hidden.shape
             flat = hidden.reshape(1, bsz * ch, height, width)
-            hidden = F.gelu(F.conv2d(flat, self.weight, self.bias, padding=self.padding, groups=bsz)).view_as(hidden)
+            padding = self.padding
+            if self.padding_mode != "zeros":
+                flat, padding = F.pad(flat, (padding,) * 4, mode=self.padding_mode), 0
+            hidden = F.gelu(F.conv2d(flat, self.weight, self.bias, padding=padding, groups=bsz)).view_as(hidden)
         return torch.einsum("bchw,bc->bhw", hidden, self.out)

@@ -379,7 +379,7 @@ def check_loadable(
     with torch.device("meta"):
         reference = torch.zeros(3) if config.reference_distance else None  # its colour is not stored
         probe = Decoder(channels, classifier.num_classes, config.decoder_dim, config.class_dim, config.image_dim,
-                        config.decoder, reference)  # fmt: skip
+                        config.decoder, reference, config.decoder_padding)  # fmt: skip
     what = f"the decoder its config describes ({classifier.num_classes} classes)"
     check_state_shapes(probe, decoder_state, src / WEIGHTS_FILE, what)
     if name is not None and backbone_state and _registry_name(name):
