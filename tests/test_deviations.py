@@ -23,6 +23,8 @@ ENTRIES = (
     "sub-cell grid offset",
     "refinement steps the map",  # issue #31
     "reference-distance term",
+    "Decoder padding",
+    "pullback input",
     "Max-pool padding",
     "model's own head",  # LeGrad (issue #23)
     "A constant map is zero",

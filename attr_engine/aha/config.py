@@ -65,6 +65,9 @@ class AHAConfig:
             pixels repeated, so the frame's outer rows see no artificial dark border) ("zeros"). [measured]
         reference_distance: add a learned multiple of log(|x - r|) to the map, r the mean colour, to order the
             pixels inside a cell (False). [measured]
+        pullback_input: the decoder also sees the image's Soft Pullback for the target class, as two channels
+            (its product with x - r and its magnitude); one more forward and backward of the classifier per map,
+            and such an explainer cannot be exported (False). [measured]
         grid_range: inclusive (min, max) grid per step; None = :func:`grid_rule` of the short side. [official/measured]
         random_offset: shift the grid's cell boundaries by a random sub-cell offset each step (True). [project]
         tau_start: Sinkhorn temperature at the first step (1.0), annealed linearly to ``tau_end``. [official]
@@ -110,6 +113,7 @@ class AHAConfig:
     decoder: str = "full"
     decoder_padding: str = "zeros"
     reference_distance: bool = False
+    pullback_input: bool = False
 
     grid_range: tuple[int, int] | None = None
     random_offset: bool = True
@@ -154,7 +158,7 @@ class AHAConfig:
 
         if self.backbone is not None and (not isinstance(self.backbone, str) or not self.backbone):
             raise ValueError(f"backbone must be None or a timm model name, got {self.backbone!r}")
-        for name in ("backbone_pretrained", "random_offset", "amp", "reference_distance"):
+        for name in ("backbone_pretrained", "random_offset", "amp", "reference_distance", "pullback_input"):
             check_bool(getattr(self, name), name)
         if self.layers is not None:
             put("layers", _int_tuple(self.layers, "layers"))

@@ -167,6 +167,11 @@ def _refuse(explainer: Exportable, fmt: str, img_size: Any, names: Sequence[str]
         )
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format must be one of {EXPORT_FORMATS}, got {fmt!r}")
+    if explainer.config.pullback_input:
+        raise ValueError(
+            "an AHA with pullback_input cannot be exported: its decoder takes the classifier's Soft Pullback, a "
+            "gradient, which no exported graph holds; export one trained without it"
+        )
     if explainer.defaults.get("refine_steps"):
         raise ValueError(
             "refine_steps > 0 cannot be exported: refinement runs an optimiser per request; export the one-pass "

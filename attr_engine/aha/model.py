@@ -12,12 +12,13 @@ from torch import nn
 
 from attr_engine.aha.config import AHAConfig
 from attr_engine.aha.loss import soft_auc_loss, standardise, target_probabilities
-from attr_engine.aha.network import Decoder, FeatureBackbone, PerImageTail, build_backbone
+from attr_engine.aha.network import PULLBACK_CHANNELS, Decoder, FeatureBackbone, PerImageTail, build_backbone
 from attr_engine.aha.persistence import WEIGHTS_FILE, load_checkpoint, save_explainer
 from attr_engine.aha.trainer import fit as train_decoder
 from attr_engine.classifier import Classifier, check_device, eval_mode, resolve_targets
 from attr_engine.explainer import Explainer, register_explainer
 from attr_engine.imageops import gaussian_blur, reference_image
+from attr_engine.pullback import SemanticPullback
 from kernels.region import blur_kernel_size
 from kernels.validate import check_int, check_int_at_least, check_positive, check_tensor
 
@@ -94,6 +95,7 @@ class AHA(nn.Module, Explainer):
                 self.config.decoder,
                 classifier.norm_mean if self.config.reference_distance else None,
                 self.config.decoder_padding,
+                PULLBACK_CHANNELS if self.config.pullback_input else 0,
             )
         self.decoder.to(classifier.norm_mean.device)
         self.steps_trained = 0
@@ -106,7 +108,30 @@ class AHA(nn.Module, Explainer):
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Raw maps. x: (B, 3, H, W) in [0, 1], any floating dtype; target: (B,) classes -> (B, H, W) float32."""
         # The backbone casts to its own dtype; the decoder is float32 whatever the classifier's dtype.
-        return self.decoder(self.backbone(x), x.float(), target)
+        x = x.float()
+        return self.decoder(self.backbone(x), x, target, self.pullback_input(x, target))
+
+    def pullback_input(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
+        """The decoder's per-pixel inputs beside the image where ``config.pullback_input`` is on, else None.
+
+        x: (B, 3, H, W) float32 in [0, 1]; target: (B,) classes -> (B, 2, H, W), no gradient. ``v`` is the Soft
+        Pullback of the target logit (:class:`~attr_engine.pullback.SemanticPullback`, one forward and backward of
+        the classifier with softened gates); the channels are ``sum_c v_c (x_c - r_c)``, r the mean colour (the
+        first-order change of the logit when the pixel is set to the reference, what the ``x·(x−r)`` rankings
+        rank by), and ``sum_c |v_c|``, each divided by its root mean square over the image so that their scale
+        is the same for every classifier. Why: the decoder sees the classifier only through the backbone's
+        features, at the backbone's resolution; this hands it the classifier's own pixel-level sensitivity for
+        the class it explains (issue #31: the one-pass maps fall short of the per-image optimum on photographs).
+        """
+        if not self.config.pullback_input:
+            return None
+        pullback = SemanticPullback(self.classifier, method="soft")
+        with eval_mode(self.classifier):
+            v = pullback.attribute(x, target, reduce=None).float()
+        mean = self.classifier.norm_mean.float().view(1, -1, 1, 1)
+        channels = torch.stack(((v * (x - mean)).sum(dim=1), v.abs().sum(dim=1)), dim=1)
+        rms = channels.square().mean(dim=(2, 3), keepdim=True).add(1e-24).sqrt()
+        return (channels / rms).detach()
 
     # ------------------------------------------------------------------------------------------------------------
     # Inference
@@ -120,8 +145,9 @@ class AHA(nn.Module, Explainer):
             raise ValueError(f"seed must be an int or a torch.Generator, got {seed!r}")
 
     def _needs_grad(self, options: Mapping[str, Any]) -> bool:
-        # Refinement trains a copy of the decoder; one forward pass needs no autograd (and runs in inference mode).
-        return options["refine_steps"] > 0
+        # Refinement trains a copy of the decoder and the pullback input is a gradient; otherwise one forward pass
+        # needs no autograd (and runs in inference mode).
+        return options["refine_steps"] > 0 or self.config.pullback_input
 
     def _cast_inputs(self, x: torch.Tensor) -> torch.Tensor:
         # AHA's decoder works in float32: images of any floating dtype are cast once here (the classifier and the
@@ -171,8 +197,9 @@ class AHA(nn.Module, Explainer):
             RuntimeError: refinement asked inside ``torch.inference_mode()``.
         """
         opts = self.defaults
-        if opts["refine_steps"] and torch.is_inference_mode_enabled():
-            raise RuntimeError("aha with refine_steps > 0 needs autograd and cannot run inside torch.inference_mode()")
+        if self._needs_grad(opts) and torch.is_inference_mode_enabled():
+            what = "refine_steps > 0" if opts["refine_steps"] else "the pullback input"
+            raise RuntimeError(f"aha with {what} needs autograd and cannot run inside torch.inference_mode()")
         check_device(x, self.classifier)
         check_tensor(x, "x", ndim=4, finite=True)
         if x.shape[1] != 3:
@@ -188,7 +215,7 @@ class AHA(nn.Module, Explainer):
                 feats, logits = self.backbone(x), self.classifier(x)
             classes = resolve_targets(self.classifier, x, target, logits=logits)
             if not opts["refine_steps"]:
-                maps = self.decoder(feats, x, classes).float()
+                maps = self.decoder(feats, x, classes, self.pullback_input(x, classes)).float()
         if opts["refine_steps"]:
             with eval_mode(self.classifier):
                 maps = self._refine(x.clone(), classes, opts["refine_steps"], opts["seed"], feats)
@@ -261,13 +288,14 @@ class AHA(nn.Module, Explainer):
         assert grid_range is not None  # resolved fills it in
         with torch.no_grad():
             levels = self.backbone(x) if feats is None else feats
+            extra = self.pullback_input(x, target)
             reference, ends = self._objective_ends(x, target)
         # What takes the steps (params) and how the maps follow from it (maps_of); the descent is the same.
         maps_of: Callable[[], torch.Tensor]
         params: list[torch.Tensor]
         if cfg.refine_mode == "map":
             with torch.no_grad():
-                start = standardise_maps(self.decoder(levels, x, target).float())
+                start = standardise_maps(self.decoder(levels, x, target, extra).float())
             if not cfg.refine_smooth:
                 free = nn.Parameter(start)
                 maps_of = lambda: free
@@ -280,7 +308,7 @@ class AHA(nn.Module, Explainer):
             params, lr = [free], cfg.refine_map_lr
         else:
             with torch.no_grad():
-                hidden = self.decoder.hidden(levels, x, target, cfg.refine_depth)
+                hidden = self.decoder.hidden(levels, x, target, cfg.refine_depth, extra)
             tail = PerImageTail(self.decoder, x.shape[0], cfg.refine_depth)
             maps_of = lambda: self.decoder.with_distance(tail(hidden), x)
             params, lr = list(tail.parameters()), cfg.refine_lr

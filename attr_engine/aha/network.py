@@ -23,6 +23,9 @@ from attr_engine.aha.config import DECODER_PADDINGS, DECODERS
 from attr_engine.classifier import Classifier, load_classifier
 from attr_engine.model_sources import is_hf_classifier, is_torchvision_vit
 
+# The channels the pullback input adds to the image the decoder's stem encodes (AHAConfig.pullback_input).
+PULLBACK_CHANNELS = 2
+
 # The floor added to a pixel's colour distance from the reference before its log (Decoder's reference-distance
 # term): about 5/255 per channel, so a pixel of exactly the reference colour gets a finite, lowest value.
 DISTANCE_EPS = 0.02
@@ -337,6 +340,8 @@ class Decoder(nn.Module):
             which the region-pooled objective never ranks: a pixel of the reference colour changes nothing when
             deleted or inserted, so a positive ``w`` moves it last (what the ``x·(x−r)`` rankings do). ``None``: no
             term. The colour is not stored in the weights (the classifier's mean gives it back on load).
+        extra_channels: channels the image stem takes besides the image's RGB (``PULLBACK_CHANNELS`` with
+            ``AHAConfig.pullback_input``, passed as ``extra`` to :meth:`forward`); 0: the image alone.
         padding: how every 3x3 convolution pads the frame (``AHAConfig.decoder_padding``): ``"zeros"`` or
             ``"replicate"``. Zero padding shows each convolution a dark border that no image has, which trained
             weights can turn into extra (or missing) weight on the frame's outer pixels; replicate padding extends
@@ -355,6 +360,7 @@ class Decoder(nn.Module):
         kind: str = "full",
         reference: torch.Tensor | None = None,
         padding: str = "zeros",
+        extra_channels: int = 0,
     ) -> None:
         super().__init__()
         if kind not in DECODERS:
@@ -367,10 +373,12 @@ class Decoder(nn.Module):
         self.project = nn.ModuleList(nn.Conv2d(c + class_dim, dim, 1) for c in feature_channels)
         self.fuse = nn.ModuleList(_ConvUnit(dim) for _ in feature_channels)
         half = max(8, dim // 2) if image_dim is None else image_dim
+        self.extra_channels = extra_channels
+        stem_in = 3 + extra_channels
         if kind == "full":
             self.up = nn.Sequential(nn.Conv2d(dim, dim, 3, padding=1), nn.GELU())
             self.image_stem = nn.Sequential(
-                nn.Conv2d(3, half, 3, padding=1), nn.GELU(), nn.Conv2d(half, half, 3, padding=1), nn.GELU()
+                nn.Conv2d(stem_in, half, 3, padding=1), nn.GELU(), nn.Conv2d(half, half, 3, padding=1), nn.GELU()
             )
             self.head = nn.Sequential(
                 nn.Conv2d(dim + half, half, 3, padding=1), nn.GELU(), nn.Conv2d(half, half, 3, padding=1), nn.GELU()
@@ -378,7 +386,9 @@ class Decoder(nn.Module):
         else:
             self.reduce = nn.Conv2d(dim, half, 1)
             self.up = nn.Sequential(*_separable(half), nn.GELU())
-            self.image_stem = nn.Sequential(nn.Conv2d(3, half, 3, padding=1), nn.GELU(), *_separable(half), nn.GELU())
+            self.image_stem = nn.Sequential(
+                nn.Conv2d(stem_in, half, 3, padding=1), nn.GELU(), *_separable(half), nn.GELU()
+            )
             # The last convolution stays a full 3x3: it is what refinement adapts per image (PerImageTail), and a
             # pointwise one there did not lower the soft objective in six steps where the 3x3 does (tested).
             self.head = nn.Sequential(
@@ -400,9 +410,12 @@ class Decoder(nn.Module):
         # 64 px). Same values up to rounding; a checkpoint stores the weights contiguous either way.
         self.to(memory_format=torch.channels_last)
 
-    def forward(self, feats: list[torch.Tensor], x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """feats: levels (B, C_l, h_l, w_l); x: (B, 3, H, W) in [0, 1]; target: (B,) class ids -> (B, H, W)."""
-        return self.with_distance(self.out(self.head(self.trunk(feats, x, target)))[:, 0], x)
+    def forward(
+        self, feats: list[torch.Tensor], x: torch.Tensor, target: torch.Tensor, extra: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """feats: levels (B, C_l, h_l, w_l); x: (B, 3, H, W) in [0, 1]; target: (B,) class ids; extra: (B,
+        ``extra_channels``, H, W) per-pixel inputs beside the image (None where there are none) -> (B, H, W)."""
+        return self.with_distance(self.out(self.head(self.trunk(feats, x, target, extra)))[:, 0], x)
 
     def with_distance(self, maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """maps (B, H, W) plus the reference-distance term of x (B, 3, H, W) (see ``reference``); unchanged
@@ -412,12 +425,19 @@ class Decoder(nn.Module):
         distance = torch.linalg.vector_norm(x.float() - self.reference, dim=1)
         return maps + self.distance_weight * torch.log(distance + DISTANCE_EPS)
 
-    def hidden(self, feats: list[torch.Tensor], x: torch.Tensor, target: torch.Tensor, depth: int) -> torch.Tensor:
+    def hidden(
+        self,
+        feats: list[torch.Tensor],
+        x: torch.Tensor,
+        target: torch.Tensor,
+        depth: int,
+        extra: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The activations (B, C, H, W) that enter the decoder's last ``depth`` layers (1: the output projection;
         2: also the head's last convolution, :attr:`tail_conv`), as :class:`PerImageTail` takes them."""
         if depth not in (1, 2):
             raise ValueError(f"depth must be 1 or 2, got {depth!r}")
-        z = self.trunk(feats, x, target)
+        z = self.trunk(feats, x, target, extra)
         return self.head(z) if depth == 1 else self.head[:-2](z)
 
     @property
@@ -427,9 +447,16 @@ class Decoder(nn.Module):
         assert isinstance(conv, nn.Conv2d)
         return conv
 
-    def trunk(self, feats: list[torch.Tensor], x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def trunk(
+        self, feats: list[torch.Tensor], x: torch.Tensor, target: torch.Tensor, extra: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Fused features at input resolution joined with the image stem: (B, dim + image_dim, H, W) ("full") or
         (B, 2 * image_dim, H, W) ("light")."""
+        got = 0 if extra is None else extra.shape[1]
+        if got != self.extra_channels:
+            raise ValueError(f"the decoder's stem takes {self.extra_channels} channels beside the image, got {got}")
+        if extra is not None:
+            x = torch.cat((x, extra.to(x.dtype)), dim=1)
         emb = self.class_embed(target)[:, :, None, None]
         cl = torch.channels_last
         feats = [f.contiguous(memory_format=cl) if f.ndim == 4 else f for f in feats]

@@ -51,6 +51,8 @@ class Trainee(Checkpointable, Protocol):
     @property
     def device(self) -> torch.device: ...
 
+    def pullback_input(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None: ...
+
 
 # The cap of a run with a validation set when neither ``epochs`` nor ``max_steps`` is given (see fit's docstring).
 VAL_EPOCHS_CAP = 10
@@ -318,7 +320,7 @@ def _train_step(
     xs = x.repeat(n_targets, 1, 1, 1)
     feats = [f.repeat(n_targets, 1, 1, 1) for f in feats]
     reference = reference_image(xs, kind, classifier.norm_mean, blur_kernel=blur_kernel, blur_sigma=blur_sigma)
-    maps = model(feats, xs, target)
+    maps = model(feats, xs, target, aha.pullback_input(xs, target))
     result = soft_auc_loss(
         classifier, xs, maps, target, reference, grid=grid, fractions=fractions, tau=tau, offset=offset,
         noise=cfg.noise, generator=sorter_seed, **cfg.loss_kwargs(),
