@@ -44,6 +44,7 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
 the per-image optimum of AHA's own objective (:meth:`AHA.optimise_maps`: a free map per image initialised from
 T=0, scored after each of ``--gap-steps`` Adam steps, rate ``--gap-lr``) and the peers, all on the same N images.
 optimum - T=0 is the amortization gap; best peer - optimum the objective gap (printed in the notes).
+``--gap-variant NAME`` runs the same split with a family's cached variant (e.g. ``"pullback input"``) as AHA.
 
 Scored beside IG-50, gradient x input and the two pullbacks (with their ``x·(x−r)`` rows) on the same held-out
 images with :func:`attr_engine.evaluate.evaluate`: deletion / insertion (AHA protocol: mean-colour reference, 21
@@ -258,6 +259,14 @@ def times_distance(aha: AHA):
     return explain
 
 
+def variant_folder(args: argparse.Namespace, budget, name: str) -> Path | None:
+    """Where a family's trained variant ``name`` is cached (None without ``--cache``)."""
+    if args.cache is None:
+        return None
+    key = f"{args.data}_{args.kind}_{args.img}px_seed{args.seed}_{budget.n_train}x{budget.epochs}"
+    return args.cache / "ablations" / key / name.replace(" ", "_").replace("+", "-")
+
+
 def gap(args: argparse.Namespace, classifier, aha: AHA, test_set, budget, acc: float) -> Leaderboard:
     """The gap split (issue #31, item 1) on the first ``args.gap`` test images; see the module docstring."""
     # Shapes carry masks: their localisation columns (the energy pointing game, mask IoU) ride along.
@@ -280,10 +289,11 @@ def gap(args: argparse.Namespace, classifier, aha: AHA, test_set, budget, acc: f
     methods["IG-50"] = get_explainer("integrated-gradients", classifier, n_steps=budget.ig_steps)
     methods["SfP"] = get_explainer("pullback-soft", classifier)
     methods["PA"] = get_explainer("pullback-ascent", classifier)
+    of = f" of AHA {args.gap_variant!r}" if args.gap_variant else ""
     board = evaluate(
         classifier, methods, data, metrics, batch_size=16, seed=args.seed,
         title=f"{args.kind} on {args.data} ({acc:.0%} accuracy), first {len(x)} of {budget.n_test} test images at "
-        f"{args.img} px: gap split", log=log, extra_rankings=True, keep=len(x),
+        f"{args.img} px: gap split{of}", log=log, extra_rankings=True, keep=len(x),
     )  # fmt: skip
     scores = composite(board)
     optimum = max((m for m in scores if m.startswith("optimum")), key=scores.get)
@@ -314,6 +324,12 @@ def run(args: argparse.Namespace) -> Leaderboard:
     if args.gap:
         if args.score_reference != "mean":
             raise SystemExit("--gap scores against the mean colour, the reference of AHA's objective")
+        if args.gap_variant:
+            # A variant a family run trained and cached (e.g. "pullback input") takes the default AHA's place.
+            folder = variant_folder(args, budget, args.gap_variant)
+            if folder is None or not folder.is_dir():
+                raise SystemExit(f"--gap-variant {args.gap_variant!r}: no cached variant at {folder}; run its family")
+            aha = AHA.load(folder, classifier)
         _, test_set = datasets(args.data, budget, args.img, args.seed)
         return gap(args, classifier, aha, test_set, budget, acc)
     levels = len(aha.backbone.indices)
@@ -331,10 +347,7 @@ def run(args: argparse.Namespace) -> Leaderboard:
             steps = budget.aha_steps * (BUDGET_CAP if val is not None else factor)
             # Each trained variant is kept beside the leaderboard's cache entry, so a later run (another family,
             # or one stopped half-way) reuses it.
-            folder = None
-            if args.cache is not None:
-                key = f"{args.data}_{args.kind}_{args.img}px_seed{args.seed}_{budget.n_train}x{budget.epochs}"
-                folder = args.cache / "ablations" / key / name.replace(" ", "_").replace("+", "-")
+            folder = variant_folder(args, budget, name)
             start = time.perf_counter()
             history: dict = {}
             if folder is not None and folder.is_dir():
@@ -392,6 +405,7 @@ def main() -> None:
     parser.add_argument("--gap", type=int, default=0, help="the gap split on the first N test images (issue #31)")
     parser.add_argument("--gap-steps", default="0,3,10,30,100", help="optimum steps scored (comma-separated)")
     parser.add_argument("--gap-lr", type=float, default=0.05, help="the optimum's Adam step size")
+    parser.add_argument("--gap-variant", default=None, help="a cached family row (e.g. 'pullback input') as AHA")
     parser.add_argument("--quick", action="store_true", help="the leaderboard's smoke budget")
     parser.add_argument("--cache", type=Path, default=None, help="the leaderboard's cache of trained models")
     parser.add_argument("--out", type=Path, default=Path("reports/ablate"))
@@ -406,7 +420,12 @@ def main() -> None:
     board = run(args)
     text = leaderboard_markdown(board)
     print(text)
-    stem = "gap" if args.gap else "ablate" + ("" if args.score_reference == "mean" else f"_{args.score_reference}")
+    variant = f"_{args.gap_variant.replace(' ', '_')}" if args.gap and args.gap_variant else ""
+    stem = (
+        f"gap{variant}"
+        if args.gap
+        else "ablate" + ("" if args.score_reference == "mean" else f"_{args.score_reference}")
+    )
     path = write_markdown(text, args.out / f"{stem}_{args.data}_{args.kind}_{args.img}px.md")
     print(f"wrote {path}; total {time.perf_counter() - start:.0f} s")
 
