@@ -121,7 +121,7 @@ class AHA(nn.Module, Explainer):
         rank by), and ``sum_c |v_c|``, each divided by its root mean square over the image so that their scale
         is the same for every classifier. Why: the decoder sees the classifier only through the backbone's
         features, at the backbone's resolution; this hands it the classifier's own pixel-level sensitivity for
-        the class it explains (issue #31: the one-pass maps fall short of the per-image optimum on photographs).
+        the class it explains (the one-pass maps fall short of the per-image optimum on photographs).
         """
         if not self.config.pullback_input:
             return None
