@@ -12,7 +12,7 @@ from torch import nn
 
 from attr_engine.aha.config import AHAConfig
 from attr_engine.aha.loss import soft_auc_loss, standardise, target_probabilities
-from attr_engine.aha.network import PULLBACK_CHANNELS, Decoder, FeatureBackbone, PerImageTail, build_backbone
+from attr_engine.aha.network import FeatureBackbone, PerImageTail, build_backbone, build_decoder
 from attr_engine.aha.persistence import WEIGHTS_FILE, load_checkpoint, save_explainer
 from attr_engine.aha.trainer import fit as train_decoder
 from attr_engine.classifier import Classifier, check_device, eval_mode, resolve_targets
@@ -86,17 +86,7 @@ class AHA(nn.Module, Explainer):
         # Seeded initialisation: the same config gives the same untrained decoder (and so the same training run).
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.config.seed)
-            self.decoder = Decoder(
-                channels,
-                classifier.num_classes,
-                self.config.decoder_dim,
-                self.config.class_dim,
-                self.config.image_dim,
-                self.config.decoder,
-                classifier.norm_mean if self.config.reference_distance else None,
-                self.config.decoder_padding,
-                PULLBACK_CHANNELS if self.config.pullback_input else 0,
-            )
+            self.decoder = build_decoder(self.config, channels, classifier.num_classes, classifier.norm_mean)
         self.decoder.to(classifier.norm_mean.device)
         self.steps_trained = 0
         Explainer.__init__(self, classifier)
@@ -125,9 +115,8 @@ class AHA(nn.Module, Explainer):
         """
         if not self.config.pullback_input:
             return None
-        pullback = SemanticPullback(self.classifier, method="soft")
-        with eval_mode(self.classifier):
-            v = pullback.attribute(x, target, reduce=None).float()
+        # attribute runs the classifier in eval mode and hands back a tensor without gradient.
+        v = SemanticPullback(self.classifier, method="soft").attribute(x, target, reduce=None).float()
         mean = self.classifier.norm_mean.float().view(1, -1, 1, 1)
         channels = torch.stack(((v * (x - mean)).sum(dim=1), v.abs().sum(dim=1)), dim=1)
         rms = channels.square().mean(dim=(2, 3), keepdim=True).add(1e-24).sqrt()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attr_engine.aha.config import DECODER_PADDINGS, DECODERS
+from attr_engine.aha.config import DECODER_PADDINGS, DECODERS, AHAConfig
 from attr_engine.classifier import Classifier, load_classifier
 from attr_engine.model_sources import is_hf_classifier, is_torchvision_vit
 
@@ -484,6 +484,24 @@ class Decoder(nn.Module):
         if fused.shape[-2:] != (height, width):  # an identity resize would still cost a pass over the map
             fused = F.interpolate(fused, size=(height, width), mode="bilinear", align_corners=False)
         return torch.cat((fused, self.image_stem(x)), dim=1)
+
+
+def build_decoder(config: AHAConfig, feature_channels: list[int], num_classes: int, reference: torch.Tensor) -> Decoder:
+    """The :class:`Decoder` ``config`` describes over levels of ``feature_channels``: its widths, kind, padding,
+    the reference-distance term (colour ``reference`` (3,), used only where ``config.reference_distance`` is on)
+    and the pullback input's stem channels. One place maps a config to a decoder, for the explainer and for the
+    checkpoint check that builds it on the meta device."""
+    return Decoder(
+        feature_channels,
+        num_classes,
+        config.decoder_dim,
+        config.class_dim,
+        config.image_dim,
+        config.decoder,
+        reference if config.reference_distance else None,
+        config.decoder_padding,
+        PULLBACK_CHANNELS if config.pullback_input else 0,
+    )
 
 
 class PerImageTail(nn.Module):

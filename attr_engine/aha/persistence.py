@@ -33,7 +33,7 @@ import timm
 import torch
 
 from attr_engine.aha.config import AHAConfig
-from attr_engine.aha.network import PULLBACK_CHANNELS, Decoder, FeatureBackbone
+from attr_engine.aha.network import Decoder, FeatureBackbone, build_decoder
 from attr_engine.checkpoint import (
     check_state_shapes,
     fresh_dir,
@@ -377,10 +377,8 @@ def check_loadable(
         if value is not None and value > high:
             raise ValueError(f"{where}: corrupt metadata: {field} must be <= {high}, got {value!r}")
     with torch.device("meta"):
-        reference = torch.zeros(3) if config.reference_distance else None  # its colour is not stored
-        probe = Decoder(channels, classifier.num_classes, config.decoder_dim, config.class_dim, config.image_dim,
-                        config.decoder, reference, config.decoder_padding,
-                        PULLBACK_CHANNELS if config.pullback_input else 0)  # fmt: skip
+        # The reference colour is not stored (no weight depends on it): any colour builds the same shapes.
+        probe = build_decoder(config, channels, classifier.num_classes, torch.zeros(3))
     what = f"the decoder its config describes ({classifier.num_classes} classes)"
     check_state_shapes(probe, decoder_state, src / WEIGHTS_FILE, what)
     if name is not None and backbone_state and _registry_name(name):
