@@ -36,9 +36,10 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
 - ``padding``: the decoder's convolutions padding by edge replication, trained with (``AHAConfig.
   decoder_padding="replicate"``), against zeros: issue #31's border mass (the ``--gap`` probe swaps the padding
   into the trained decoder instead).
-- ``pullback``: the decoder also sees the image's Soft Pullback for the target class (``AHAConfig.
-  pullback_input``: ``v·(x − r)`` and ``|v|`` as two more channels of its image stem): the classifier's own
-  pixel-level sensitivity, which the ``x·(x−r)`` rankings of the pullbacks win with on photographs.
+- ``pullback``: the decoder also sees the classifier's pullback ``v`` for the target class (``AHAConfig.
+  pullback_input``: ``v·(x − r)`` and ``|v|`` as two more channels of its image stem), the Soft Pullback or
+  (``pullback_method="ascent"``) Pullback Ascent's: the classifier's own pixel-level sensitivity, which the
+  ``x·(x−r)`` rankings of the pullbacks win with on photographs.
 
 ``--gap N`` (issue #31) replaces the families with the gap split on the first N test images: AHA T=0 and T=3,
 the per-image optimum of AHA's own objective (:meth:`AHA.optimise_maps`: a free map per image initialised from
@@ -165,7 +166,10 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
     if family == "padding":
         return {"padding replicate": {"decoder_padding": "replicate"}}
     if family == "pullback":
-        return {"pullback input": {"pullback_input": True}}
+        return {
+            "pullback input": {"pullback_input": True},
+            "pullback input, ascent": {"pullback_input": True, "pullback_method": "ascent"},
+        }
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 

@@ -1,6 +1,6 @@
 """AHA's pullback input (``AHAConfig.pullback_input``, issue #31): the decoder's stem also takes the classifier's
-Soft Pullback for the target class, as ``sum_c v_c (x_c - r_c)`` and ``sum_c |v_c|``, each scaled to unit root
-mean square per image.
+pullback ``v`` for the target class (the Soft Pullback, or Pullback Ascent's with ``pullback_method="ascent"``), as
+``sum_c v_c (x_c - r_c)`` and ``sum_c |v_c|``, each scaled to unit root mean square per image.
 
 The colour classifier's logits are ``gain * [mean(R - G), -mean(R - G)]``, so its pullback is known in closed form:
 ``v = +-gain / (H W)`` on red, ``-+gain / (H W)`` on green, 0 on blue. With its identity normalisation (mean colour
@@ -15,7 +15,9 @@ import torch
 
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.network import PULLBACK_CHANNELS
+from attr_engine.pullback import SemanticPullback
 from tests.aha_helpers import FAST, colour_classifier, colour_images
+from tests.eval_helpers import images, tiny_resnet
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +93,25 @@ def test_export_and_inference_mode_are_refused_in_one_line(pulled, tmp_path):
             pulled.attribute(x)
         with pytest.raises(RuntimeError, match="the pullback input needs autograd"):
             pulled.predict_and_explain(x)
+
+
+def test_the_ascent_method_feeds_pullback_ascents_displacement(tmp_path):
+    """``pullback_method="ascent"``: the channels come from Pullback Ascent's ``x_K - x_0`` (the ranking that leads the
+    photos board) instead of the Soft Pullback. On a nonlinear classifier the two differ (on the colour classifier
+    they would not: its pullback is the same at every ascent step)."""
+    clf = tiny_resnet()
+    x, target = images(2, 32), torch.tensor([0, 3])
+    ascent = AHA(clf, AHAConfig(**FAST, pullback_input=True, pullback_method="ascent", targets="pred"))
+    soft = AHA(clf, AHAConfig(**FAST, pullback_input=True, targets="pred"))
+    pa = SemanticPullback(clf, method="ascent").attribute(x, target, reduce=None)
+    reference = clf.norm_mean.view(1, -1, 1, 1)
+    expected = torch.stack(((pa * (x - reference)).sum(dim=1), pa.abs().sum(dim=1)), dim=1)
+    fed = ascent.pullback_input(x, target)
+    torch.testing.assert_close(fed, _unit_rms(expected), atol=1e-5, rtol=1e-4)
+    assert (fed - soft.pullback_input(x, target)).abs().amax() > 0.1
+    ascent.save(tmp_path)
+    loaded = AHA.load(tmp_path, clf)
+    assert loaded.config.pullback_method == "ascent"
+    torch.testing.assert_close(loaded.attribute(x, target), ascent.attribute(x, target), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="pullback_method must be one of"):
+        AHAConfig(pullback_method="gradient")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attr_engine.imageops import REFERENCES
+from attr_engine.pullback import PULLBACK_METHODS
 from kernels.validate import check_bool, check_int, check_int_at_least, check_non_negative, check_positive
 
 # The decoder designs (attr_engine.aha.network.Decoder's ``kind``) and how its convolutions pad the frame.
@@ -65,9 +66,11 @@ class AHAConfig:
             pixels repeated, so the frame's outer rows see no artificial dark border) ("zeros"). [measured]
         reference_distance: add a learned multiple of log(|x - r|) to the map, r the mean colour, to order the
             pixels inside a cell (False). [measured]
-        pullback_input: the decoder also sees the image's Soft Pullback for the target class, as two channels
-            (its product with x - r and its magnitude); one more forward and backward of the classifier per map,
-            and such an explainer cannot be exported (False). [measured]
+        pullback_input: the decoder also sees the classifier's pullback for the target class, as two channels
+            (its product with x - r and its magnitude); more forward and backward passes of the classifier per
+            map, and such an explainer cannot be exported (False). [measured]
+        pullback_method: which pullback ``pullback_input`` feeds: "soft" (Soft Pullback, one forward and
+            backward) or "ascent" (Pullback Ascent's ``x_K - x_0``, K = 5 of them) ("soft"). [measured]
         grid_range: inclusive (min, max) grid per step; None = :func:`grid_rule` of the short side. [official/measured]
         random_offset: shift the grid's cell boundaries by a random sub-cell offset each step (True). [project]
         tau_start: Sinkhorn temperature at the first step (1.0), annealed linearly to ``tau_end``. [official]
@@ -114,6 +117,7 @@ class AHAConfig:
     decoder_padding: str = "zeros"
     reference_distance: bool = False
     pullback_input: bool = False
+    pullback_method: str = "soft"
 
     grid_range: tuple[int, int] | None = None
     random_offset: bool = True
@@ -170,6 +174,8 @@ class AHAConfig:
             raise ValueError(f"decoder must be one of {DECODERS}, got {self.decoder!r}")
         if self.decoder_padding not in DECODER_PADDINGS:
             raise ValueError(f"decoder_padding must be one of {DECODER_PADDINGS}, got {self.decoder_padding!r}")
+        if self.pullback_method not in PULLBACK_METHODS:
+            raise ValueError(f"pullback_method must be one of {PULLBACK_METHODS}, got {self.pullback_method!r}")
         check_int_at_least(self.n_iters, "n_iters", 1)
         check_int_at_least(self.n_fractions, "n_fractions", 2)  # a curve needs two points
         check_int_at_least(self.refine_fractions, "refine_fractions", 2)

@@ -104,19 +104,22 @@ class AHA(nn.Module, Explainer):
     def pullback_input(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
         """The decoder's per-pixel inputs beside the image where ``config.pullback_input`` is on, else None.
 
-        x: (B, 3, H, W) float32 in [0, 1]; target: (B,) classes -> (B, 2, H, W), no gradient. ``v`` is the Soft
-        Pullback of the target logit (:class:`~attr_engine.pullback.SemanticPullback`, one forward and backward of
-        the classifier with softened gates); the channels are ``sum_c v_c (x_c - r_c)``, r the mean colour (the
-        first-order change of the logit when the pixel is set to the reference, what the ``x·(x−r)`` rankings
-        rank by), and ``sum_c |v_c|``, each divided by its root mean square over the image so that their scale
-        is the same for every classifier. Why: the decoder sees the classifier only through the backbone's
-        features, at the backbone's resolution; this hands it the classifier's own pixel-level sensitivity for
-        the class it explains (the one-pass maps fall short of the per-image optimum on photographs).
+        x: (B, 3, H, W) float32 in [0, 1]; target: (B,) classes -> (B, 2, H, W), no gradient. ``v`` (B, 3, H, W) is
+        the target logit's pullback (:class:`~attr_engine.pullback.SemanticPullback` with
+        ``method=config.pullback_method``): the Soft Pullback (one forward and backward of the classifier with
+        softened gates) or Pullback Ascent's ``x_K - x_0`` (K such steps). The channels are
+        ``sum_c v_c (x_c - r_c)``, r the mean colour (the first-order change of the logit when the pixel is set
+        to the reference, what the ``x·(x−r)`` rankings rank by), and ``sum_c |v_c|``, each divided by its root
+        mean square over the image so that their scale is the same for every classifier. Why: the decoder sees
+        the classifier only through the backbone's features, at the backbone's resolution; this hands it the
+        classifier's own pixel-level sensitivity for the class it explains (the one-pass maps fall short of the
+        per-image optimum on photographs).
         """
         if not self.config.pullback_input:
             return None
         # attribute runs the classifier in eval mode and hands back a tensor without gradient.
-        v = SemanticPullback(self.classifier, method="soft").attribute(x, target, reduce=None).float()
+        pullback = SemanticPullback(self.classifier, method=self.config.pullback_method)
+        v = pullback.attribute(x, target, reduce=None).float()
         mean = self.classifier.norm_mean.float().view(1, -1, 1, 1)
         channels = torch.stack(((v * (x - mean)).sum(dim=1), v.abs().sum(dim=1)), dim=1)
         rms = channels.square().mean(dim=(2, 3), keepdim=True).add(1e-24).sqrt()

@@ -3,6 +3,7 @@ on it, Soft Pullback (SfP) and Pullback Ascent (PA); importing it registers ``pu
 ``pullback-ascent`` with :func:`attr_engine.get_explainer`."""
 
 from attr_engine.pullback.semantic_pullback import (
+    PULLBACK_METHODS,
     PULLBACK_RANKING_SOURCE,
     PullbackConfig,
     SemanticPullback,
@@ -11,6 +12,7 @@ from attr_engine.pullback.semantic_pullback import (
 from attr_engine.pullback.soft_adjoint import SoftAdjoint, soft_adjoint
 
 __all__ = [
+    "PULLBACK_METHODS",
     "PULLBACK_RANKING_SOURCE",
     "PullbackConfig",
     "SemanticPullback",

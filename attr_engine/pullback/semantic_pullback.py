@@ -31,9 +31,10 @@ from attr_engine.explainer import Explainer, register_explainer
 from attr_engine.pullback.soft_adjoint import GELU_TAU, MAXPOOL_TAU, RELU_TAU, SILU_TAU, soft_adjoint
 from kernels.validate import check_int_at_least, check_positive
 
-__all__ = ["PULLBACK_RANKING_SOURCE", "PullbackConfig", "SemanticPullback", "default_alpha"]
+__all__ = ["PULLBACK_METHODS", "PULLBACK_RANKING_SOURCE", "PullbackConfig", "SemanticPullback", "default_alpha"]
 
-_METHODS = ("ascent", "soft")
+# The pullback attributions: Pullback Ascent (the default) and Soft Pullback.
+PULLBACK_METHODS = ("ascent", "soft")
 # Where the pullback's pixel-ranking reduction comes from (see SemanticPullback).
 PULLBACK_RANKING_SOURCE = (
     "314-Foundation/SemanticPullbacks lib/evaluator.py hands the full (B, C, H, W) pullback to Quantus 0.6.0; its "
@@ -155,8 +156,8 @@ class SemanticPullback(Explainer):
         return f"pullback-{defaults['method']}" if defaults else "pullback"
 
     def _check_options(self, options: dict[str, Any]) -> None:
-        if options["method"] not in _METHODS:
-            raise ValueError(f"method must be one of {_METHODS}, got {options['method']!r}")
+        if options["method"] not in PULLBACK_METHODS:
+            raise ValueError(f"method must be one of {PULLBACK_METHODS}, got {options['method']!r}")
         if options["steps"] is not None:
             check_int_at_least(options["steps"], "steps", 1)
         if options["alpha"] is not None:
