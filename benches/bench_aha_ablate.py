@@ -39,7 +39,8 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
 - ``pullback``: the decoder also sees the classifier's pullback ``v`` for the target class (``AHAConfig.
   pullback_input``: ``v·(x − r)`` and ``|v|`` as two more channels of its image stem), the Soft Pullback or
   (``pullback_method="ascent"``) Pullback Ascent's: the classifier's own pixel-level sensitivity, which the
-  ``x·(x−r)`` rankings of the pullbacks win with on photographs.
+  ``x·(x−r)`` rankings of the pullbacks win with on photographs; ``skip`` rows also add a learned multiple of the
+  ``v·(x − r)`` channel to the map (``pullback_skip``), so that training starts from that ranking.
 
 ``--gap N`` (issue #31) replaces the families with the gap split on the first N test images: AHA T=0 and T=3,
 the per-image optimum of AHA's own objective (:meth:`AHA.optimise_maps`: a free map per image initialised from
@@ -169,6 +170,12 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
         return {
             "pullback input": {"pullback_input": True},
             "pullback input, ascent": {"pullback_input": True, "pullback_method": "ascent"},
+            "pullback input, skip": {"pullback_input": True, "pullback_skip": True},
+            "pullback input, ascent, skip": {
+                "pullback_input": True,
+                "pullback_method": "ascent",
+                "pullback_skip": True,
+            },
         }
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 

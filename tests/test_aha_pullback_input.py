@@ -10,6 +10,8 @@ is constant.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -115,3 +117,35 @@ def test_the_ascent_method_feeds_pullback_ascents_displacement(tmp_path):
     torch.testing.assert_close(loaded.attribute(x, target), ascent.attribute(x, target), atol=0, rtol=0)
     with pytest.raises(ValueError, match="pullback_method must be one of"):
         AHAConfig(pullback_method="gradient")
+
+
+def test_the_skip_adds_a_learned_multiple_of_the_first_channel_on_every_path(tmp_path):
+    """``pullback_skip``: map = decoder output + s * (the ``v·(x − r)`` channel), s starting at 1 and trained; the
+    refinement of the decoder's last layers keeps the term (a path that dropped it would move the map by the whole
+    channel), and a checkpoint keeps s."""
+    clf = tiny_resnet()
+    x, target = images(4, 32), torch.tensor([0, 3, 1, 2])
+    aha = AHA(clf, AHAConfig(**FAST, pullback_input=True, pullback_skip=True, targets="pred"))
+    assert aha.decoder.skip_weight is not None and float(aha.decoder.skip_weight.detach()) == 1.0
+    extra = aha.pullback_input(x, target)
+    with torch.no_grad():
+        decoder = aha.decoder
+        convolutions = decoder.out(decoder.head(decoder.trunk(aha.backbone(x), x, target, extra)))[:, 0]
+        torch.testing.assert_close(aha(x, target), convolutions + extra[:, 0])
+        decoder.skip_weight.fill_(0.25)
+        torch.testing.assert_close(aha(x, target), convolutions + 0.25 * extra[:, 0])
+        decoder.skip_weight.fill_(1.0)
+    one_pass = aha.attribute(x, target)
+    decoder_steps = aha.with_options()
+    decoder_steps.config = dataclasses.replace(aha.config, refine_mode="decoder", refine_lr=1e-12)
+    torch.testing.assert_close(decoder_steps.attribute(x, target, refine_steps=1, seed=0), one_pass, atol=1e-4,
+                               rtol=1e-4)  # fmt: skip
+    aha.fit(torch.utils.data.TensorDataset(x, target), epochs=1, batch_size=4, progress=False)
+    learned = float(aha.decoder.skip_weight.detach())
+    assert learned != 1.0
+    aha.save(tmp_path)
+    loaded = AHA.load(tmp_path, clf)
+    assert loaded.config.pullback_skip and float(loaded.decoder.skip_weight.detach()) == learned
+    torch.testing.assert_close(loaded.attribute(x, target), aha.attribute(x, target), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="pullback_skip adds the pullback input's channel"):
+        AHAConfig(pullback_skip=True)

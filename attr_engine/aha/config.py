@@ -71,6 +71,9 @@ class AHAConfig:
             map, and such an explainer cannot be exported (False). [measured]
         pullback_method: which pullback ``pullback_input`` feeds: "soft" (Soft Pullback, one forward and
             backward) or "ascent" (Pullback Ascent's ``x_K - x_0``, K = 5 of them) ("soft"). [measured]
+        pullback_skip: the map also adds a learned multiple (starting at 1) of the pullback input's ``v·(x − r)``
+            channel, so that training starts from the pullback's ranking; needs ``pullback_input`` (False).
+            [measured]
         grid_range: inclusive (min, max) grid per step; None = :func:`grid_rule` of the short side. [official/measured]
         random_offset: shift the grid's cell boundaries by a random sub-cell offset each step (True). [project]
         tau_start: Sinkhorn temperature at the first step (1.0), annealed linearly to ``tau_end``. [official]
@@ -118,6 +121,7 @@ class AHAConfig:
     reference_distance: bool = False
     pullback_input: bool = False
     pullback_method: str = "soft"
+    pullback_skip: bool = False
 
     grid_range: tuple[int, int] | None = None
     random_offset: bool = True
@@ -162,7 +166,14 @@ class AHAConfig:
 
         if self.backbone is not None and (not isinstance(self.backbone, str) or not self.backbone):
             raise ValueError(f"backbone must be None or a timm model name, got {self.backbone!r}")
-        for name in ("backbone_pretrained", "random_offset", "amp", "reference_distance", "pullback_input"):
+        for name in (
+            "backbone_pretrained",
+            "random_offset",
+            "amp",
+            "reference_distance",
+            "pullback_input",
+            "pullback_skip",
+        ):
             check_bool(getattr(self, name), name)
         if self.layers is not None:
             put("layers", _int_tuple(self.layers, "layers"))
@@ -176,6 +187,8 @@ class AHAConfig:
             raise ValueError(f"decoder_padding must be one of {DECODER_PADDINGS}, got {self.decoder_padding!r}")
         if self.pullback_method not in PULLBACK_METHODS:
             raise ValueError(f"pullback_method must be one of {PULLBACK_METHODS}, got {self.pullback_method!r}")
+        if self.pullback_skip and not self.pullback_input:
+            raise ValueError("pullback_skip adds the pullback input's channel to the map: set pullback_input=True")
         check_int_at_least(self.n_iters, "n_iters", 1)
         check_int_at_least(self.n_fractions, "n_fractions", 2)  # a curve needs two points
         check_int_at_least(self.refine_fractions, "refine_fractions", 2)

@@ -302,7 +302,7 @@ class AHA(nn.Module, Explainer):
             with torch.no_grad():
                 hidden = self.decoder.hidden(levels, x, target, cfg.refine_depth, extra)
             tail = PerImageTail(self.decoder, x.shape[0], cfg.refine_depth)
-            maps_of = lambda: self.decoder.with_distance(tail(hidden), x)
+            maps_of = lambda: self.decoder.with_terms(tail(hidden), x, extra)
             params, lr = list(tail.parameters()), cfg.refine_lr
         maps = self._descend(x, target, params, maps_of, steps=steps, lr=lr, fractions=fractions,
                              grid_range=grid_range, generator=gen, reference=reference, ends=ends)  # fmt: skip

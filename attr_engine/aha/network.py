@@ -342,6 +342,10 @@ class Decoder(nn.Module):
             term. The colour is not stored in the weights (the classifier's mean gives it back on load).
         extra_channels: channels the image stem takes besides the image's RGB (``PULLBACK_CHANNELS`` with
             ``AHAConfig.pullback_input``, passed as ``extra`` to :meth:`forward`); 0: the image alone.
+        pullback_skip: the map also gains ``s * extra[:, 0]`` (``AHAConfig.pullback_skip``), the pullback's
+            ``v·(x − r)`` channel, with ``s`` a learned scalar starting at 1: the untrained map already ranks the
+            pixels much as the pullback's ``x·(x−r)`` ranking does, and training learns the correction. Needs
+            ``extra_channels``.
         padding: how every 3x3 convolution pads the frame (``AHAConfig.decoder_padding``): ``"zeros"`` or
             ``"replicate"``. Zero padding shows each convolution a dark border that no image has, which trained
             weights can turn into extra (or missing) weight on the frame's outer pixels; replicate padding extends
@@ -361,8 +365,11 @@ class Decoder(nn.Module):
         reference: torch.Tensor | None = None,
         padding: str = "zeros",
         extra_channels: int = 0,
+        pullback_skip: bool = False,
     ) -> None:
         super().__init__()
+        if pullback_skip and not extra_channels:
+            raise ValueError("the pullback skip adds the pullback input's first channel: extra_channels must be > 0")
         if kind not in DECODERS:
             raise ValueError(f"decoder kind must be one of {DECODERS}, got {kind!r}")
         if padding not in DECODER_PADDINGS:
@@ -405,6 +412,7 @@ class Decoder(nn.Module):
         if reference is not None:
             self.distance_weight = nn.Parameter(torch.zeros(()))
             self.register_buffer("reference", reference.detach().float().reshape(1, 3, 1, 1).clone(), persistent=False)
+        self.skip_weight: nn.Parameter | None = nn.Parameter(torch.ones(())) if pullback_skip else None
         # channels_last convolution weights (and activations, see trunk): oneDNN's direct kernels skip the reorders
         # it otherwise does around every convolution; 1.3-1.4x faster decoder on the CPU (bench_floor, 32 and
         # 64 px). Same values up to rounding; a checkpoint stores the weights contiguous either way.
@@ -415,15 +423,21 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """feats: levels (B, C_l, h_l, w_l); x: (B, 3, H, W) in [0, 1]; target: (B,) class ids; extra: (B,
         ``extra_channels``, H, W) per-pixel inputs beside the image (None where there are none) -> (B, H, W)."""
-        return self.with_distance(self.out(self.head(self.trunk(feats, x, target, extra)))[:, 0], x)
+        return self.with_terms(self.out(self.head(self.trunk(feats, x, target, extra)))[:, 0], x, extra)
 
-    def with_distance(self, maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """maps (B, H, W) plus the reference-distance term of x (B, 3, H, W) (see ``reference``); unchanged
-        without one. The decoder's last layers end here, so refinement of a :class:`PerImageTail` adds it too."""
-        if self.distance_weight is None:
-            return maps
-        distance = torch.linalg.vector_norm(x.float() - self.reference, dim=1)
-        return maps + self.distance_weight * torch.log(distance + DISTANCE_EPS)
+    def with_terms(self, maps: torch.Tensor, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """maps (B, H, W) plus the terms that skip the convolutions: the reference-distance term of x (B, 3, H, W)
+        (see ``reference``) and the pullback skip of extra (B, ``extra_channels``, H, W) (see ``pullback_skip``);
+        unchanged without them. The decoder's last layers end here, so refinement of a :class:`PerImageTail` adds
+        them too."""
+        if self.distance_weight is not None:
+            distance = torch.linalg.vector_norm(x.float() - self.reference, dim=1)
+            maps = maps + self.distance_weight * torch.log(distance + DISTANCE_EPS)
+        if self.skip_weight is not None:
+            if extra is None:
+                raise ValueError("the decoder's pullback skip needs the pullback input (extra), got None")
+            maps = maps + self.skip_weight * extra[:, 0].to(maps.dtype)
+        return maps
 
     def hidden(
         self,
@@ -489,7 +503,7 @@ class Decoder(nn.Module):
 def build_decoder(config: AHAConfig, feature_channels: list[int], num_classes: int, reference: torch.Tensor) -> Decoder:
     """The :class:`Decoder` ``config`` describes over levels of ``feature_channels``: its widths, kind, padding,
     the reference-distance term (colour ``reference`` (3,), used only where ``config.reference_distance`` is on)
-    and the pullback input's stem channels. One place maps a config to a decoder, for the explainer and for the
+    and the pullback input's stem channels and skip. One place maps a config to a decoder, for the explainer and for the
     checkpoint check that builds it on the meta device."""
     return Decoder(
         feature_channels,
@@ -501,6 +515,7 @@ def build_decoder(config: AHAConfig, feature_channels: list[int], num_classes: i
         reference if config.reference_distance else None,
         config.decoder_padding,
         PULLBACK_CHANNELS if config.pullback_input else 0,
+        config.pullback_skip,
     )
 
 
