@@ -47,6 +47,8 @@ the per-image optimum of AHA's own objective (:meth:`AHA.optimise_maps`: a free 
 T=0, scored after each of ``--gap-steps`` Adam steps, rate ``--gap-lr``) and the peers, all on the same N images.
 optimum - T=0 is the amortization gap; best peer - optimum the objective gap (printed in the notes).
 ``--gap-variant NAME`` runs the same split with a family's cached variant (e.g. ``"pullback input"``) as AHA.
+``--only ROW`` (repeatable) trains and scores only the named rows of the families (e.g. ``"pullback input,
+ascent, skip"``).
 
 Scored beside IG-50, gradient x input and the two pullbacks (with their ``x·(x−r)`` rows) on the same held-out
 images with :func:`attr_engine.evaluate.evaluate`: deletion / insertion (AHA protocol: mean-colour reference, 21
@@ -350,8 +352,13 @@ def run(args: argparse.Namespace) -> Leaderboard:
                                    args.img, args.seed)  # fmt: skip
     methods: dict[str, Explainer] = {"default": get_explainer("aha", classifier, aha=aha)}
     notes = [f"default: the leaderboard's AHA, {budget.aha_steps} steps of 8, taps {aha.backbone.indices}"]
+    rows = {name for family in args.family for name in variants(family, args.kind, args.img, levels)}
+    if unknown := [name for name in args.only if name not in rows]:
+        raise SystemExit(f"--only names no row of {args.family}: {unknown}; the rows: {sorted(rows)}")
     for family in args.family:
         for name, overrides in variants(family, args.kind, args.img, levels).items():
+            if args.only and name not in args.only:
+                continue
             factor = overrides.pop("_steps_factor", 1)
             val = validation_set(args.data, args.img, args.seed) if overrides.pop("_val", False) else None
             config = dataclasses.replace(base, **overrides)
@@ -410,6 +417,13 @@ def main() -> None:
     parser.add_argument("--kind", choices=("vit", "resnet", "tv-resnet"), default="resnet")
     parser.add_argument("--img", type=int, default=64)
     parser.add_argument("--family", default=",".join(FAMILIES), help=f"comma-separated, from {FAMILIES}")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="ROW",
+        help="train and score only this row of the families (repeatable), e.g. 'pullback input, skip'",
+    )
     parser.add_argument("--n-test", type=int, default=None, help="held-out images (default: the leaderboard's)")
     refs = ("mean", "black", "blur")
     parser.add_argument("--score-reference", choices=refs, default="mean", help="deletion / insertion reference")
