@@ -41,6 +41,8 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
   (``pullback_method="ascent"``) Pullback Ascent's: the classifier's own pixel-level sensitivity, which the
   ``x·(x−r)`` rankings of the pullbacks win with on photographs; ``skip`` rows also add a learned multiple of the
   ``v·(x − r)`` channel to the map (``pullback_skip``), so that training starts from that ranking.
+- ``pullback-budget``: the ``budget`` family's early stopping for the pullback input with Pullback Ascent and the
+  skip.
 
 ``--gap N`` (issue #31) replaces the families with the gap split on the first N test images: AHA T=0 and T=3,
 the per-image optimum of AHA's own objective (:meth:`AHA.optimise_maps`: a free map per image initialised from
@@ -90,6 +92,7 @@ FAMILIES = (
     "lr",
     "padding",
     "pullback",
+    "pullback-budget",
 )
 # The budget family's cap, in multiples of the leaderboard's steps, and its held-out validation images.
 BUDGET_CAP = 4
@@ -178,6 +181,15 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
                 "pullback_method": "ascent",
                 "pullback_skip": True,
             },
+        }
+    if family == "pullback-budget":
+        return {
+            "pullback input, ascent, skip, early stopping": {
+                "pullback_input": True,
+                "pullback_method": "ascent",
+                "pullback_skip": True,
+                "_val": True,
+            }
         }
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
