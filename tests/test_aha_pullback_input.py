@@ -11,12 +11,15 @@ is constant.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.network import PULLBACK_CHANNELS
+from attr_engine.aha.validation import score_validation
+from attr_engine.metrics import deletion_insertion
 from attr_engine.pullback import SemanticPullback
 from tests.aha_helpers import FAST, colour_classifier, colour_images
 from tests.eval_helpers import images, tiny_resnet
@@ -149,3 +152,21 @@ def test_the_skip_adds_a_learned_multiple_of_the_first_channel_on_every_path(tmp
     torch.testing.assert_close(loaded.attribute(x, target), aha.attribute(x, target), atol=0, rtol=0)
     with pytest.raises(ValueError, match="pullback_skip adds the pullback input's channel"):
         AHAConfig(pullback_skip=True)
+
+
+def test_validation_scores_the_maps_the_explainer_draws(pulled):
+    """``fit(val=)`` scores the maps of the pullback-input decoder (a scorer that left the channels out would fail in
+    the stem, and one that fed other channels would score other maps)."""
+    x, _ = colour_images(4, seed=1)
+    scores = score_validation(pulled, x, device=torch.device("cpu"), batch_size=2)
+    target = pulled.classifier(x).argmax(1)
+    with torch.no_grad():
+        maps = pulled(x, target)
+    di = deletion_insertion(pulled.classifier, x, maps, target, steps=pulled.config.val_fractions, reference="mean",
+                            protocol="aha")  # fmt: skip
+    assert scores["images"] == 4
+    assert scores["deletion"] == pytest.approx(float(di.deletion.mean()), abs=1e-6)
+    assert scores["insertion"] == pytest.approx(float(di.insertion.mean()), abs=1e-6)
+    fresh = AHA(pulled.classifier, AHAConfig(**FAST, pullback_input=True, targets="pred"))
+    history = fresh.fit(torch.utils.data.TensorDataset(x, target), max_steps=1, batch_size=4, progress=False, val=x)
+    assert len(history["val_composite"]) == 2 and all(math.isfinite(v) for v in history["val_composite"])

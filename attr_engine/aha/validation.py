@@ -53,6 +53,8 @@ class Scored(Protocol):
     decoder: Decoder
     backbone: FeatureBackbone
 
+    def pullback_input(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None: ...
+
 
 def check_val_data(val: ValData) -> int:
     """The number of images in ``val``; raises a ValueError naming the problem for an empty or unusable set."""
@@ -146,7 +148,8 @@ def score_validation(
             x = _checked_images(x.to(device).float())
             with torch.no_grad():
                 target = _predicted(aha.classifier, x)
-                maps = aha.decoder(aha.backbone(x), x, target)
+                # The pullback input is a gradient: SemanticPullback enables autograd for it inside no_grad.
+                maps = aha.decoder(aha.backbone(x), x, target, aha.pullback_input(x, target))
             if not torch.isfinite(maps).all():
                 # A diverged decoder scores NaN (never an improvement: the run stops and restores its best
                 # weights) instead of aborting fit with the metric's error.
