@@ -40,7 +40,8 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
   pullback_input``: ``v·(x − r)`` and ``|v|`` as two more channels of its image stem), the Soft Pullback or
   (``pullback_method="ascent"``) Pullback Ascent's: the classifier's own pixel-level sensitivity, which the
   ``x·(x−r)`` rankings of the pullbacks win with on photographs; ``skip`` rows also add a learned multiple of the
-  ``v·(x − r)`` channel to the map (``pullback_skip``), so that training starts from that ranking.
+  ``v·(x − r)`` channel to the map (``pullback_skip``), so that training starts from that ranking; ``refs mean``
+  trains that variant against the mean colour alone.
 - ``pullback-budget``: the ``budget`` family's early stopping for the pullback input with Pullback Ascent and the
   skip.
 
@@ -180,6 +181,12 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
                 "pullback_input": True,
                 "pullback_method": "ascent",
                 "pullback_skip": True,
+            },
+            "pullback input, ascent, skip, refs mean": {
+                "pullback_input": True,
+                "pullback_method": "ascent",
+                "pullback_skip": True,
+                "references": ("mean",),
             },
         }
     if family == "pullback-budget":
