@@ -39,14 +39,15 @@ from tqdm.auto import tqdm
 from attr_engine._training import collate_images_labels, warmup_cosine
 from attr_engine.aha.loss import soft_auc_loss
 from attr_engine.aha.persistence import Checkpointable, latest_training_checkpoint, save_training_checkpoint
-from attr_engine.aha.validation import EarlyStopping, ValData, check_val_data, score_validation
+from attr_engine.aha.validation import EarlyStopping, Scored, ValData, check_val_data, score_validation
 from attr_engine.imageops import reference_image, scaled_blur
 from kernels.validate import check_int_at_least
 
 
-class Trainee(Checkpointable, Protocol):
+class Trainee(Checkpointable, Scored, Protocol):
     """What :func:`fit` trains: an explainer's frozen classifier and backbone, its decoder (trained in place, with
-    ``steps_trained`` counted up) and its resolved config, on the classifier's device."""
+    ``steps_trained`` counted up) and its resolved config, on the classifier's device; its validation scores
+    call the explainer itself."""
 
     @property
     def device(self) -> torch.device: ...

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from attr_engine._training import collate_images_labels
 from attr_engine.aha.config import AHAConfig
-from attr_engine.aha.network import Decoder, FeatureBackbone
+from attr_engine.aha.network import Decoder
 from attr_engine.classifier import Classifier
 from attr_engine.explainer import RANGE_WARNING_ABOVE
 from attr_engine.metrics import deletion_insertion
@@ -51,9 +51,10 @@ class Scored(Protocol):
     classifier: Classifier
     config: AHAConfig
     decoder: Decoder
-    backbone: FeatureBackbone
 
-    def pullback_input(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None: ...
+    def __call__(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The raw maps (B, H, W) the explainer draws for x (B, 3, H, W) and target (B,): its forward pass."""
+        ...
 
 
 def check_val_data(val: ValData) -> int:
@@ -148,8 +149,9 @@ def score_validation(
             x = _checked_images(x.to(device).float())
             with torch.no_grad():
                 target = _predicted(aha.classifier, x)
-                # The pullback input is a gradient: SemanticPullback enables autograd for it inside no_grad.
-                maps = aha.decoder(aha.backbone(x), x, target, aha.pullback_input(x, target))
+                # The explainer's own forward, with every input its decoder takes (a pullback input enables
+                # autograd for itself inside no_grad).
+                maps = aha(x, target)
             if not torch.isfinite(maps).all():
                 # A diverged decoder scores NaN (never an improvement: the run stops and restores its best
                 # weights) instead of aborting fit with the metric's error.
