@@ -172,32 +172,17 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
         return {"lr 1e-3": {"lr": 1e-3}}
     if family == "padding":
         return {"padding replicate": {"decoder_padding": "replicate"}}
+    soft, ascent = {"pullback_input": True}, {"pullback_input": True, "pullback_method": "ascent"}
     if family == "pullback":
         return {
-            "pullback input": {"pullback_input": True},
-            "pullback input, ascent": {"pullback_input": True, "pullback_method": "ascent"},
-            "pullback input, skip": {"pullback_input": True, "pullback_skip": True},
-            "pullback input, ascent, skip": {
-                "pullback_input": True,
-                "pullback_method": "ascent",
-                "pullback_skip": True,
-            },
-            "pullback input, ascent, skip, refs mean": {
-                "pullback_input": True,
-                "pullback_method": "ascent",
-                "pullback_skip": True,
-                "references": ("mean",),
-            },
+            "pullback input": soft,
+            "pullback input, ascent": ascent,
+            "pullback input, skip": {**soft, "pullback_skip": True},
+            "pullback input, ascent, skip": {**ascent, "pullback_skip": True},
+            "pullback input, ascent, skip, refs mean": {**ascent, "pullback_skip": True, "references": ("mean",)},
         }
     if family == "pullback-budget":
-        return {
-            "pullback input, ascent, skip, early stopping": {
-                "pullback_input": True,
-                "pullback_method": "ascent",
-                "pullback_skip": True,
-                "_val": True,
-            }
-        }
+        return {"pullback input, ascent, skip, early stopping": {**ascent, "pullback_skip": True, "_val": True}}
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 
@@ -371,39 +356,38 @@ def run(args: argparse.Namespace) -> Leaderboard:
                                    args.img, args.seed)  # fmt: skip
     methods: dict[str, Explainer] = {"default": get_explainer("aha", classifier, aha=aha)}
     notes = [f"default: the leaderboard's AHA, {budget.aha_steps} steps of 8, taps {aha.backbone.indices}"]
-    rows = {name for family in args.family for name in variants(family, args.kind, args.img, levels)}
-    if unknown := [name for name in args.only if name not in rows]:
-        raise SystemExit(f"--only names no row of {args.family}: {unknown}; the rows: {sorted(rows)}")
-    for family in args.family:
-        for name, overrides in variants(family, args.kind, args.img, levels).items():
-            if args.only and name not in args.only:
-                continue
-            factor = overrides.pop("_steps_factor", 1)
-            val = validation_set(args.data, args.img, args.seed) if overrides.pop("_val", False) else None
-            config = dataclasses.replace(base, **overrides)
-            steps = budget.aha_steps * (BUDGET_CAP if val is not None else factor)
-            # Each trained variant is kept beside the leaderboard's cache entry, so a later run (another family,
-            # or one stopped half-way) reuses it.
-            folder = variant_folder(args, budget, name)
-            start = time.perf_counter()
-            history: dict = {}
-            if folder is not None and folder.is_dir():
-                variant = AHA.load(folder, classifier)
-                if (folder / "history.json").is_file():
-                    history = json.loads((folder / "history.json").read_text())
-                print(f"[{args.kind}] {name}: loaded from {folder}", flush=True)
-            else:
-                variant = AHA(classifier, config)
-                history = variant.fit(train_set, batch_size=8, epochs=100, max_steps=steps, progress=False, val=val)
-                if folder is not None:
-                    variant.save(folder)
-                    (folder / "history.json").write_text(json.dumps({k: v for k, v in history.items() if "val" in k}))
-            seconds = time.perf_counter() - start
-            print(f"[{args.kind}] {name}: {variant.steps_trained} steps in {seconds:.0f} s", flush=True)
-            methods[name] = get_explainer("aha", classifier, aha=variant)
-            notes.append(f"{name}: {overrides or ''} {steps} steps ({seconds:.0f} s)".replace("  ", " "))
-            if history.get("val_step"):
-                notes.append(stopping_note(name, history, variant.steps_trained, steps))
+    rows = [row for family in args.family for row in variants(family, args.kind, args.img, levels).items()]
+    if unknown := [name for name in args.only if name not in dict(rows)]:
+        raise SystemExit(f"--only names no row of {args.family}: {unknown}; the rows: {sorted(dict(rows))}")
+    for name, overrides in rows:
+        if args.only and name not in args.only:
+            continue
+        factor = overrides.pop("_steps_factor", 1)
+        val = validation_set(args.data, args.img, args.seed) if overrides.pop("_val", False) else None
+        config = dataclasses.replace(base, **overrides)
+        steps = budget.aha_steps * (BUDGET_CAP if val is not None else factor)
+        # Each trained variant is kept beside the leaderboard's cache entry, so a later run (another family,
+        # or one stopped half-way) reuses it.
+        folder = variant_folder(args, budget, name)
+        start = time.perf_counter()
+        history: dict = {}
+        if folder is not None and folder.is_dir():
+            variant = AHA.load(folder, classifier)
+            if (folder / "history.json").is_file():
+                history = json.loads((folder / "history.json").read_text())
+            print(f"[{args.kind}] {name}: loaded from {folder}", flush=True)
+        else:
+            variant = AHA(classifier, config)
+            history = variant.fit(train_set, batch_size=8, epochs=100, max_steps=steps, progress=False, val=val)
+            if folder is not None:
+                variant.save(folder)
+                (folder / "history.json").write_text(json.dumps({k: v for k, v in history.items() if "val" in k}))
+        seconds = time.perf_counter() - start
+        print(f"[{args.kind}] {name}: {variant.steps_trained} steps in {seconds:.0f} s", flush=True)
+        methods[name] = get_explainer("aha", classifier, aha=variant)
+        notes.append(f"{name}: {overrides or ''} {steps} steps ({seconds:.0f} s)".replace("  ", " "))
+        if history.get("val_step"):
+            notes.append(stopping_note(name, history, variant.steps_trained, steps))
     options = {"integrated-gradients": {"n_steps": budget.ig_steps}}
     for name in PEERS:
         methods[name] = get_explainer(name, classifier, **options.get(name, {}))
