@@ -34,7 +34,7 @@ from attr_engine.model_sources import (
     load_hf,
     split_source,
 )
-from kernels.validate import check_int_at_least, check_tensor
+from attr_engine_kernels.validate import check_int_at_least, check_tensor
 
 __all__ = [
     "CPU_PIXELS_PER_CALL",

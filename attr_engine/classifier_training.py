@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from attr_engine._training import collate_images_labels, warmup_cosine
 from attr_engine.classifier import Classifier, load_classifier
-from kernels.validate import check_int_at_least, check_positive
+from attr_engine_kernels.validate import check_int_at_least, check_positive
 
 __all__ = ["ModelConfig", "evaluate_accuracy", "small_model_config", "train_classifier"]
 

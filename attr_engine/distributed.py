@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import torch
 
-from kernels.validate import check_int_at_least
+from attr_engine_kernels.validate import check_int_at_least
 
 __all__ = ["local_device", "process_rank", "shard"]
 

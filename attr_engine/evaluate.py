@@ -56,7 +56,7 @@ from attr_engine.metrics import (
     top_k_mask_iou,
 )
 from attr_engine.tables import csv_text, markdown_table
-from kernels.validate import check_int_at_least
+from attr_engine_kernels.validate import check_int_at_least
 
 __all__ = ["DEFAULT_METRICS", "METRICS", "ChanceLevelWarning", "Leaderboard", "MetricSpec", "chance_level", "evaluate"]
 

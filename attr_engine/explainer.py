@@ -39,7 +39,7 @@ from torch import nn
 
 from attr_engine.classifier import Classifier, check_device, eval_mode, input_dtype, resolve_targets
 from attr_engine.imageops import REFERENCES, resolve_reference
-from kernels.validate import check_tensor
+from attr_engine_kernels.validate import check_tensor
 
 __all__ = [
     "ENTRY_POINT_GROUP",

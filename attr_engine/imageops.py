@@ -22,7 +22,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from kernels.validate import check_tensor
+from attr_engine_kernels.validate import check_tensor
 
 if TYPE_CHECKING:
     from PIL import Image

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attr_engine.jobs import AttributionJob, Item, ItemResult
-from kernels.validate import check_int_at_least
+from attr_engine_kernels.validate import check_int_at_least
 
 if TYPE_CHECKING:
     import numpy as np

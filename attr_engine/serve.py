@@ -52,7 +52,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from attr_engine.jobs import AttributionJob
-from kernels.validate import check_int_at_least
+from attr_engine_kernels.validate import check_int_at_least
 
 if TYPE_CHECKING:
     import numpy as np

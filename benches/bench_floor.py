@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-import kernels
+import attr_engine_kernels as kernels
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.loss import peak_penalty, sorter_scores, target_probabilities, trapezoid_auc
 from attr_engine.aha.model import standardise_maps

@@ -4,7 +4,7 @@
   ``x + up * (r - x)`` by broadcasting, with plain autograd (keeps the upsampled masks and output-sized temporaries).
   With mask smoothing (``soft_mask_blend smooth``, sigma 1.0 as AHA trains at 224 px) the eager path is the
   official one: ``F.pad(..., mode="reflect")``, a 7 x 7 ``F.conv2d`` of the upsampled masks and ``clamp(0, 1)``.
-- reference: :mod:`kernels.region`'s PyTorch path (segment sums; blend recomputes in its backward).
+- reference: :mod:`attr_engine_kernels.region`'s PyTorch path (segment sums; blend recomputes in its backward).
 - triton: the fused kernels (CUDA only).
 
 Shapes are those of one AHA step at 224 px with a 14 x 14 grid (ViT-B/16 patches). Run from the repository root:
@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attr_engine_kernels._backend import set_backend
+from attr_engine_kernels.region import region_pool, soft_mask_blend, soft_mask_blend_reference
 from benches._common import DEVICE, peak_memory_mb, providers
-from kernels._backend import set_backend
-from kernels.region import region_pool, soft_mask_blend, soft_mask_blend_reference
 
 POOL_SHAPE: dict[str, object] = {"op": "region_pool", "batch": 32, "size": 224, "grid": 14}
 BLEND_SHAPE: dict[str, object] = {

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+from attr_engine_kernels._backend import set_backend
+from attr_engine_kernels.sinkhorn import sinkhorn, sinkhorn_reference
 from benches._common import DEVICE, peak_memory_mb, providers
-from kernels._backend import set_backend
-from kernels.sinkhorn import sinkhorn, sinkhorn_reference
 
 SHAPES: list[dict[str, int]] = [{"B": 32, "N": 196, "n_iters": 20}] + (
     [{"B": 32, "N": 784, "n_iters": 20}] if DEVICE == "cuda" else []

@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attr_engine_kernels import set_backend
+from attr_engine_kernels.soft_gates import soft_gate, soft_gate_reference, soft_maxpool2d, soft_maxpool2d_reference
 from benches._common import DEVICE, peak_memory_mb, providers
-from kernels import set_backend
-from kernels.soft_gates import soft_gate, soft_gate_reference, soft_maxpool2d, soft_maxpool2d_reference
 
 MODULE = "benches.bench_soft_gates"
 ON_CUDA = DEVICE == "cuda"

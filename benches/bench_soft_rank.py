@@ -12,9 +12,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import kernels
+import attr_engine_kernels as kernels
+from attr_engine_kernels.soft_rank import _sample_seeds, gumbel_noise, soft_topk_masks, soft_topk_masks_reference
 from benches._common import DEVICE, peak_memory_mb, providers
-from kernels.soft_rank import _sample_seeds, gumbel_noise, soft_topk_masks, soft_topk_masks_reference
 
 HEADLINE = {"batch": 32, "n": 784, "n_iters": 30, "n_frac": 16}
 CASES = [HEADLINE, {"batch": 32, "n": 196, "n_iters": 30, "n_frac": 16}]

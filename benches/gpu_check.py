@@ -38,12 +38,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kernels
+import attr_engine_kernels as kernels
+from attr_engine_kernels.region import soft_mask_blend_reference
+from attr_engine_kernels.sinkhorn import sinkhorn_reference
+from attr_engine_kernels.soft_gates import soft_gate_reference, soft_maxpool2d_reference
+from attr_engine_kernels.soft_rank import _sample_seeds, soft_topk_masks_reference, triton_gumbel_noise
 from benches.bench_region import _eager_pool
-from kernels.region import soft_mask_blend_reference
-from kernels.sinkhorn import sinkhorn_reference
-from kernels.soft_gates import soft_gate_reference, soft_maxpool2d_reference
-from kernels.soft_rank import _sample_seeds, soft_topk_masks_reference, triton_gumbel_noise
 
 
 @dataclass

@@ -8,17 +8,17 @@ Public ops (each differentiable where it matters; see each docstring for shapes)
   (optionally Gaussian-smoothed, as AHA trains).
 - :func:`soft_gate` / :func:`soft_maxpool2d` - exact activations whose backward uses a softened gate.
 
-:func:`set_backend` chooses between the Triton kernels and the references (see :mod:`kernels._backend`);
+:func:`set_backend` chooses between the Triton kernels and the references (see :mod:`attr_engine_kernels._backend`);
 :func:`compute_dtype` is the arithmetic dtype every op uses for an I/O dtype, for code that mirrors an op outside
-``kernels``. Input checks shared with ``attr_engine`` live in :mod:`kernels.validate`.
+``attr_engine_kernels``. Input checks shared with ``attr_engine`` live in :mod:`attr_engine_kernels.validate`.
 """
 
-from kernels._backend import get_backend, set_backend
-from kernels._tl_helpers import compute_dtype
-from kernels.region import region_pool, soft_mask_blend
-from kernels.sinkhorn import sinkhorn
-from kernels.soft_gates import soft_gate, soft_maxpool2d
-from kernels.soft_rank import soft_topk_masks
+from attr_engine_kernels._backend import get_backend, set_backend
+from attr_engine_kernels._tl_helpers import compute_dtype
+from attr_engine_kernels.region import region_pool, soft_mask_blend
+from attr_engine_kernels.sinkhorn import sinkhorn
+from attr_engine_kernels.soft_gates import soft_gate, soft_maxpool2d
+from attr_engine_kernels.soft_rank import soft_topk_masks
 
 __all__ = [
     "compute_dtype",

@@ -73,7 +73,7 @@ def get_backend() -> str:
 class set_backend:
     """Select the kernel backend.
 
-    ``kernels.set_backend("reference")`` switches for the rest of the thread's life;
+    ``attr_engine_kernels.set_backend("reference")`` switches for the rest of the thread's life;
     ``with kernels.set_backend("triton"): ...`` switches for the block and restores the previous choice on exit.
     """
 
@@ -101,7 +101,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     Raises:
         RuntimeError: the backend is forced to ``"triton"`` but the kernels cannot run on these tensors.
     """
-    if getattr(_state, "recording", False):  # kernels.aot records the launches the Triton path would make
+    if getattr(_state, "recording", False):  # attr_engine_kernels.aot records the launches the Triton path would make
         return True
     backend = get_backend()
     if backend == "reference":

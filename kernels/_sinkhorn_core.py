@@ -1,4 +1,4 @@
-"""The tiled Sinkhorn core that :func:`kernels.sinkhorn.sinkhorn` and :func:`kernels.soft_rank.soft_topk_masks` launch.
+"""The tiled Sinkhorn core that :func:`.sinkhorn.sinkhorn` and :func:`.soft_rank.soft_topk_masks` launch.
 
 A cost K (B, N, N) is normalised in the dual (potentials) form: log P = K' + u[:, :, None] + v[:, None, :], with
 
@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from torch import Tensor
 from torch.library import wrap_triton
 
-from kernels._backend import tl, triton
-from kernels._tl_helpers import _lse_normaliser, _neg_lse, _online_lse, _pid
+from attr_engine_kernels._backend import tl, triton
+from attr_engine_kernels._tl_helpers import _lse_normaliser, _neg_lse, _online_lse, _pid
 
 OWN = 32  # lines one program owns
 STREAM = 64  # width of the tiles it streams over the other dimension
 # The direct kernels of the sorter also hold a (W^T dM) tile from tl.dot; they stream thinner tiles of 16 lines at
-# 4 warps, the configuration ``python -m kernels.aot`` finds spill-free on sm_80 and sm_90.
+# 4 warps, the configuration ``python -m attr_engine_kernels.aot`` finds spill-free on sm_80 and sm_90.
 THIN = 16
 
 

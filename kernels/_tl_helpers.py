@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kernels._backend import tl, triton
+from attr_engine_kernels._backend import tl, triton
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

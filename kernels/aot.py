@@ -13,10 +13,10 @@ and dtypes. Each distinct recorded launch is then bound the way ``JITFunction.ru
 
 The outputs of a recorded op are uninitialised memory: only the launches are meaningful, never the values.
 
-Run ``python -m kernels.aot`` for the table (kernel, configuration, arch, warps, registers, spill bytes, shared
-memory, programs). ``--check`` exits 1 if a kernel fails to compile, overflows shared memory or the register file,
-or spills in a scenario marked as a default configuration. The Triton cache lives in a fresh temporary directory per
-run: its key does not cover every switch, and a cache hit would hide the ptxas report this check reads.
+Run ``python -m attr_engine_kernels.aot`` for the table (kernel, configuration, arch, warps, registers, spill bytes,
+shared memory, programs). ``--check`` exits 1 if a kernel fails to compile, overflows shared memory or the register
+file, or spills in a scenario marked as a default configuration. The Triton cache lives in a fresh temporary
+directory per run: its key does not cover every switch, and a cache hit would hide the ptxas report this check reads.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kernels import _backend
+from attr_engine_kernels import _backend
 
 # Per-block limits of the targets: opt-in shared memory per block and the register file of one SM.
 SHARED_LIMIT: dict[int, int] = {90: 232448, 80: 166912}
@@ -264,7 +264,7 @@ def _grad_of(out: torch.Tensor, *inputs: torch.Tensor) -> None:
 
 def _sorter(n: int, s: int, dtype: torch.dtype, noise: float, batch: int = 2) -> Callable[[], None]:
     def run() -> None:
-        from kernels.soft_rank import soft_topk_masks
+        from attr_engine_kernels.soft_rank import soft_topk_masks
 
         scores = torch.rand(batch, n, dtype=dtype, requires_grad=True)
         fractions = torch.linspace(0.0, 1.0, s).tolist()
@@ -276,7 +276,7 @@ def _sorter(n: int, s: int, dtype: torch.dtype, noise: float, batch: int = 2) ->
 
 def _sinkhorn(n: int, dtype: torch.dtype, batch: int = 2) -> Callable[[], None]:
     def run() -> None:
-        from kernels.sinkhorn import sinkhorn
+        from attr_engine_kernels.sinkhorn import sinkhorn
 
         la = torch.randn(batch, n, n, dtype=dtype, requires_grad=True)
         _grad_of(sinkhorn(la, n_iters=3, tau=0.5), la)
@@ -286,7 +286,7 @@ def _sinkhorn(n: int, dtype: torch.dtype, batch: int = 2) -> Callable[[], None]:
 
 def _pool(size: int, g: int, dtype: torch.dtype, offset: tuple[float, float]) -> Callable[[], None]:
     def run() -> None:
-        from kernels.region import region_pool
+        from attr_engine_kernels.region import region_pool
 
         amap = torch.rand(2, size, size, dtype=dtype, requires_grad=True)
         _grad_of(region_pool(amap, g, offset), amap)
@@ -304,7 +304,7 @@ def _blend(
     offset: tuple[float, float] = (0.0, 0.0),
 ) -> Callable[[], None]:
     def run() -> None:
-        from kernels.region import soft_mask_blend
+        from attr_engine_kernels.region import soft_mask_blend
 
         x = torch.rand(batch, 3, size, size, dtype=dtype, requires_grad=True)
         ref = torch.zeros(1, 3, size, size, dtype=dtype).expand(batch, -1, -1, -1).requires_grad_(True)
@@ -316,7 +316,7 @@ def _blend(
 
 def _gate(kind: str, dtype: torch.dtype) -> Callable[[], None]:
     def run() -> None:
-        from kernels.soft_gates import soft_gate
+        from attr_engine_kernels.soft_gates import soft_gate
 
         z = torch.randn(4, 8, 14, 14, dtype=dtype, requires_grad=True)
         _grad_of(soft_gate(z, kind), z)
@@ -326,7 +326,7 @@ def _gate(kind: str, dtype: torch.dtype) -> Callable[[], None]:
 
 def _maxpool(k: int, s: int, p: int, dtype: torch.dtype) -> Callable[[], None]:
     def run() -> None:
-        from kernels.soft_gates import soft_maxpool2d
+        from attr_engine_kernels.soft_gates import soft_maxpool2d
 
         x = torch.randn(2, 8, 56, 56, dtype=dtype, requires_grad=True)
         _grad_of(soft_maxpool2d(x, k, s, p), x)
@@ -335,15 +335,15 @@ def _maxpool(k: int, s: int, p: int, dtype: torch.dtype) -> Callable[[], None]:
 
 
 def _gumbel() -> None:
-    from kernels.soft_rank import triton_gumbel_noise
+    from attr_engine_kernels.soft_rank import triton_gumbel_noise
 
     triton_gumbel_noise(0, 2, 49, "cpu")
 
 
 def scenarios(quick: bool = False) -> list[Scenario]:
     """Every configuration the check compiles. ``quick`` keeps the defaults and the largest accepted sizes."""
-    from kernels.region import MAX_BLEND_MASKS
-    from kernels.soft_rank import MAX_FRACTIONS, MAX_SORT_CELLS
+    from attr_engine_kernels.region import MAX_BLEND_MASKS
+    from attr_engine_kernels.soft_rank import MAX_FRACTIONS, MAX_SORT_CELLS
 
     out: list[Scenario] = []
     # AHA's sorter: default envelope N <= 1024, S <= 64.
@@ -496,7 +496,7 @@ def format_table(results: list[CompileResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.aot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m attr_engine_kernels.aot", description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, nargs="+", default=list(DEFAULT_ARCHS), help="SM versions (90, 80)")
     parser.add_argument("--quick", action="store_true", help="defaults and the largest sizes only")
     parser.add_argument("--check", action="store_true", help="exit 1 on any failure, overflow or default spill")

@@ -43,9 +43,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.library import custom_op, triton_op, wrap_triton
 
-from kernels._backend import tl, triton, use_triton
-from kernels._tl_helpers import _pid, compute_dtype, tl_compute_dtype
-from kernels.validate import check_int_at_least, check_offset, check_same, check_tensor
+from attr_engine_kernels._backend import tl, triton, use_triton
+from attr_engine_kernels._tl_helpers import _pid, compute_dtype, tl_compute_dtype
+from attr_engine_kernels.validate import check_int_at_least, check_offset, check_same, check_tensor
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Grid geometry
@@ -680,8 +680,9 @@ _MAX_BLOCK = 1024  # elements per program step: enough to saturate a memory-boun
 _BLEND_FWD_TILE = 4096  # BLOCK_S * BLOCK_P of the blend forward (~32 values per thread per temporary at 4 warps)
 _BLEND_BWD_TILE = 2048  # the backward keeps more tiles live (g, m, two products): half the forward's tile
 # With smoothing the backward also holds the blurred mask tile, the per-pixel mask gradient and its clamp gate:
-# at 2048 it spilled 144-240 B on both targets, at 1024 none (``python -m kernels.aot``). The forward keeps its
-# tile (the tap loops are runtime loops, so only one tap's tiles are live at a time: 128-160 registers, no spills).
+# at 2048 it spilled 144-240 B on both targets, at 1024 none (``python -m attr_engine_kernels.aot``). The forward
+# keeps its tile (the tap loops are runtime loops, so only one tap's tiles are live at a time: 128-160 registers, no
+# spills).
 _BLEND_BWD_SMOOTH_TILE = 1024
 _MAX_BLEND_S = 64  # masks per program of the forward (grid axis 2 tiles S)
 _MAX_BLEND_BWD_S = 32  # masks per step of the backward (it loops over mask blocks)

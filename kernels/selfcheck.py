@@ -1,6 +1,6 @@
 """Kernel self-check: every op, reference vs Triton, forward and gradient agreement and timing, as one table.
 
-    python -m kernels.selfcheck [--quick]
+    python -m attr_engine_kernels.selfcheck [--quick]
 
 On a CUDA machine the compiled kernels are checked and timed against the references at realistic sizes. Without
 CUDA the Triton kernels run through Triton's CPU interpreter (the process re-executes itself with
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # a run-time import would load triton before main() has set TRITON_INTERPRET
-    from kernels._backend import Backend
+    from attr_engine_kernels._backend import Backend
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Case:
 
 
 def _cases(quick: bool, cuda: bool) -> list[Case]:
-    import kernels
+    import attr_engine_kernels as kernels
 
     big = cuda and not quick
     gen = torch.Generator().manual_seed(0)
@@ -82,7 +82,7 @@ def _cases(quick: bool, cuda: bool) -> list[Case]:
 
 
 def _run(inputs: list[torch.Tensor], fn: Callable[..., torch.Tensor], backend: Backend, grad_out: torch.Tensor | None):
-    import kernels
+    import attr_engine_kernels as kernels
 
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     with kernels.set_backend(backend):
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
         env = dict(os.environ, TRITON_INTERPRET="1")
-        os.execve(sys.executable, [sys.executable, "-m", "kernels.selfcheck", *(argv or sys.argv[1:])], env)
+        os.execve(sys.executable, [sys.executable, "-m", "attr_engine_kernels.selfcheck", *(argv or sys.argv[1:])], env)
     device = "cuda" if cuda else "cpu"
     mode = f"CUDA ({torch.cuda.get_device_name()})" if cuda else "CPU, Triton interpreter"
     print(f"attr-engine kernel self-check on {mode}")

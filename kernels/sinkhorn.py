@@ -11,7 +11,7 @@ O(B * N) numbers change between half-steps and the N x N weights are recomputed 
 
 For rounding, K is first shifted by its row maxima (u^0 = -max_j K, absorbed exactly by the first half-step, so P
 and its gradient are unchanged): every row of K' = K + u^0 peaks at 0. The potentials of every half-step, (B, T + 1,
-N) each, are all the exact unrolled backward needs; its recurrence is written out in :mod:`kernels._sinkhorn_core`.
+N) each, are all the exact unrolled backward needs; its recurrence is written out in :mod:`._sinkhorn_core`.
 
 The last half-step writes P = exp(x - m_j) / s_j straight from its column logsumexp (x = K' + u^T, m_j the column max,
 s_j the column sum of exp(x - m_j)), so the columns of P sum to one even where v^T itself is rounded. Accuracy: the
@@ -19,11 +19,11 @@ potentials are O(max |log_alpha / tau|), so P carries a relative error of about 
 spread 1, ~1e-3 at spread 1e6); the eager form, which keeps the normalised matrix, is the more accurate one there.
 
 Paths: ``sinkhorn_reference`` (definition and gradcheck target), ``_SinkhornPotentials`` (pure PyTorch, batch-chunked,
-recomputing backward) and two fused Triton designs, chosen by :func:`kernels._backend.use_triton`:
+recomputing backward) and two fused Triton designs, chosen by :func:`attr_engine_kernels._backend.use_triton`:
 
 - N <= 64: one program per sample keeps the whole padded matrix in registers and runs every iteration (one launch
   forward, one backward); the matrix is read from memory once.
-- N > 64: the tiled core of :mod:`kernels._sinkhorn_core`, shared with the soft-rank sorter: one launch per
+- N > 64: the tiled core of :mod:`attr_engine_kernels._sinkhorn_core`, shared with the soft-rank sorter: one launch per
   half-step over (sample, block of 32 rows or columns) programs, the potentials in global memory between launches
   (a launch boundary is CUDA's only grid-wide barrier), after one pass that writes the row shift u^0. The arithmetic
   of this decomposition is in benches/README.md ("Sinkhorn core").
@@ -38,16 +38,17 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
-from kernels import _sinkhorn_core as core
-from kernels._backend import tl, triton, use_triton
-from kernels._sinkhorn_core import _cost_tile
-from kernels._tl_helpers import _lse, _pid, compute_dtype
-from kernels.validate import check_int_at_least, check_positive, check_tensor
+from attr_engine_kernels import _sinkhorn_core as core
+from attr_engine_kernels._backend import tl, triton, use_triton
+from attr_engine_kernels._sinkhorn_core import _cost_tile
+from attr_engine_kernels._tl_helpers import _lse, _pid, compute_dtype
+from attr_engine_kernels.validate import check_int_at_least, check_positive, check_tensor
 
 # The reference works on slabs of the batch so that its N x N temporaries stay ~16 MiB (fp32) whatever B is.
 _CHUNK_ELEMENTS = 1 << 22
 # Largest N whose whole (padded) matrix one program keeps in registers; larger N streams tiles. At N = 128 the
-# backward's three live 128 x 128 fp32 tiles spill even at 16 warps (``python -m kernels.aot``), so 64 is the cap.
+# backward's three live 128 x 128 fp32 tiles spill even at 16 warps (``python -m attr_engine_kernels.aot``), so 64
+# is the cap.
 _MAX_REGISTER_N = 64
 
 
@@ -305,7 +306,8 @@ def _sinkhorn_rowmax_kernel(
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = rmask[:, None] & (cols < N)[None, :]
         k = tl.load(la_b + rows[:, None] * stride_li + cols[None, :] * stride_lj, mask=mask, other=float("-inf"))
-        # Divided by tau (the core multiplies by 1 / tau): the multiply spilled 12 B here on sm_90 (kernels.aot).
+        # Divided by tau (the core multiplies by 1 / tau): the multiply spilled 12 B here on sm_90
+        # (attr_engine_kernels.aot).
         mx = tl.maximum(mx, tl.max(k.to(tl.float32) / tau, axis=1))
     tl.store(u_ptr + b * (T + 1) * N + rows, -mx, mask=rmask)
 
@@ -335,7 +337,7 @@ def _sinkhorn_fwd_op(log_alpha: Tensor, n_iters: int, tau: float) -> tuple[Tenso
             log_alpha, p, u_all, v_all, *log_alpha.stride(), n, n_iters, 1.0 / tau, BLOCK=block, num_warps=warps
         )
     else:
-        # The tiled core (kernels._sinkhorn_core), after the row shift u^0 of slot 0.
+        # The tiled core (attr_engine_kernels._sinkhorn_core), after the row shift u^0 of slot 0.
         v_all[:, 0].zero_()
         wrap_triton(_sinkhorn_rowmax_kernel)[(batch, triton.cdiv(n, core.OWN))](
             log_alpha, u_all, *log_alpha.stride(), n, n_iters, tau, BLOCK_R=core.OWN, BLOCK_C=core.STREAM
@@ -400,7 +402,7 @@ def sinkhorn(log_alpha: Tensor, n_iters: int = 20, tau: float = 1.0, *, validate
     Same result as :func:`sinkhorn_reference` (X = log_alpha / tau; ``n_iters`` times: normalise rows, then columns, in
     the log domain; P = exp(X)) without keeping the iterates: the backward recomputes each step's weights from
     log_alpha and the saved (B, n_iters + 1, N) row and column potentials. Runs the fused Triton kernels when
-    :func:`kernels._backend.use_triton` says so, the PyTorch reference otherwise.
+    :func:`attr_engine_kernels._backend.use_triton` says so, the PyTorch reference otherwise.
 
     Args:
         log_alpha: (B, N, N) finite float scores (float32, float16, bfloat16 or float64), N >= 1.

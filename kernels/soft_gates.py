@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
-from kernels._backend import tl, triton, use_triton
-from kernels._tl_helpers import _pid, compute_dtype
-from kernels.validate import check_int_at_least, check_positive, check_tensor
+from attr_engine_kernels._backend import tl, triton, use_triton
+from attr_engine_kernels._tl_helpers import _pid, compute_dtype
+from attr_engine_kernels.validate import check_int_at_least, check_positive, check_tensor
 
 SOFT_GATE_KINDS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "silu")
 # Defaults from the Semantic Pullback paper (tanh-GELU shares GELU's gate and temperature).
@@ -372,7 +372,7 @@ def _soft_maxpool2d_fwd_kernel(
     """``y = max_{k in window} x_k`` (torch's NaN and tie rules) and ``lse = log sum_{k in window} exp(x_k / tau)``.
 
     One lane per output element; the window loop is unrolled (KH * KW is small). The logsumexp is two passes over
-    the window per lane (max, then sum), not the tile helper of ``kernels._tl_helpers``: the max pass is also the
+    the window per lane (max, then sum), not the tile helper of ``._tl_helpers``: the max pass is also the
     exact forward, with torch's NaN rule, and each lane's window is a handful of scattered loads, not a tile.
     """
     offs = _pid(0) * BLOCK + tl.arange(0, BLOCK)

@@ -19,7 +19,7 @@ Three paths, one definition:
   and a half-step whose sums would underflow is done in the log domain, so any score scale and tiny tau stay
   finite. The noise is regenerated from per-sample seeds; worker threads take whole chunks (:func:`_for_each_chunk`),
   so the masks never depend on the thread count. A custom op: ``torch.compile`` sees one node.
-- Triton (fused): the tiled Sinkhorn core of :mod:`kernels._sinkhorn_core` (the one :func:`kernels.sinkhorn.sinkhorn`
+- Triton (fused): the tiled Sinkhorn core of :mod:`._sinkhorn_core` (the one :func:`.sinkhorn.sinkhorn`
   runs) with the cost computed from the scores: each program regenerates its K tiles and the Philox Gumbel noise on
   the fly, so neither K nor P is ever written. A last kernel accumulates the masks with a small matrix product per
   tile; the backward replays the recurrence from the saved (B, T + 1, N) potentials.
@@ -41,12 +41,12 @@ from typing import Any
 import torch
 from torch.library import custom_op, triton_op, wrap_triton
 
-from kernels import _sinkhorn_core as core
-from kernels._backend import tl, triton, use_triton
-from kernels._sinkhorn_core import _gumbel, _line_lse, _line_tile
-from kernels._tl_helpers import _lse_normaliser, _pid, compute_dtype
-from kernels.sinkhorn import sinkhorn_reference
-from kernels.validate import check_int_at_least, check_positive, check_tensor
+from attr_engine_kernels import _sinkhorn_core as core
+from attr_engine_kernels._backend import tl, triton, use_triton
+from attr_engine_kernels._sinkhorn_core import _gumbel, _line_lse, _line_tile
+from attr_engine_kernels._tl_helpers import _lse_normaliser, _pid, compute_dtype
+from attr_engine_kernels.sinkhorn import sinkhorn_reference
+from attr_engine_kernels.validate import check_int_at_least, check_positive, check_tensor
 
 # Smallest uniform draw before the double log of the Gumbel transform: keeps G finite (G >= -log(-log(1e-10)) ~ -3.1).
 _U_MIN = 1e-10
@@ -501,7 +501,7 @@ _soft_topk_reference_op.register_autograd(_soft_topk_reference_backward, setup_c
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Triton: the tiled Sinkhorn core (kernels._sinkhorn_core) with the sorter's cost, plus the mask accumulation
+# Triton: the tiled Sinkhorn core (_sinkhorn_core) with the sorter's cost, plus the mask accumulation
 # ----------------------------------------------------------------------------------------------------------------
 # K, the noise and P are recomputed per tile and never stored: the op's memory is O(B * N * T) like the reference's.
 # The arithmetic of this decomposition at the AHA shape is in benches/README.md ("Sinkhorn core").

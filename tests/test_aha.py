@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import kernels
+import attr_engine_kernels as kernels
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.loss import soft_auc_loss, trapezoid_auc
 from attr_engine.classifier import Classifier, load_classifier

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+import attr_engine_kernels as kernels
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.loss import soft_auc_loss
 from attr_engine.metrics import deletion_insertion
@@ -104,8 +104,8 @@ def test_zscored_ranking_equals_anchors_spanning_the_span() -> None:
     """span * z against the sorter's [0, 1] anchors is the cost -(z - A)^2 with A in [-span/2, span/2] (Sinkhorn
     cancels the row and column constants), checked at convergence with the dense definition."""
     from attr_engine.aha.loss import sorter_scores
-    from kernels.sinkhorn import sinkhorn_reference
-    from kernels.soft_rank import prefix_weights
+    from attr_engine_kernels.sinkhorn import sinkhorn_reference
+    from attr_engine_kernels.soft_rank import prefix_weights
 
     n, span, tau, iters = 16, 4.0, 0.5, 400
     scores = torch.randn(2, n, dtype=torch.float64)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+import attr_engine_kernels as kernels
 from attr_engine.aha.loss import soft_auc_loss
 from tests.aha_helpers import colour_classifier, colour_images
 from tests.conftest import requires_cuda

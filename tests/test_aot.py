@@ -1,4 +1,4 @@
-"""kernels.aot: every Triton kernel compiles for sm_90 and sm_80 at the configurations its launcher picks.
+"""attr_engine_kernels.aot: every Triton kernel compiles for sm_90 and sm_80 at the configurations its launcher picks.
 
 The compile check needs Triton's real front end, so it runs in a subprocess without ``TRITON_INTERPRET`` (this
 test-suite's conftest turns the interpreter on for everything else).
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-import kernels
-from kernels import aot
-from kernels._backend import HAS_TRITON
+import attr_engine_kernels as kernels
+from attr_engine_kernels import aot
+from attr_engine_kernels._backend import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
@@ -42,7 +42,7 @@ def compile_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, 
     out = tmp_path_factory.mktemp("aot") / "aot.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.aot", "--check", "--json", str(out)],
+        [sys.executable, "-m", "attr_engine_kernels.aot", "--check", "--json", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -82,9 +82,9 @@ def test_sorter_and_sinkhorn_fill_an_h200_at_the_aha_shape() -> None:
     H200 SM, read off the launches the real launchers record."""
     code = (
         "import torch\n"
-        "from kernels import aot\n"
-        "from kernels.soft_rank import soft_topk_masks\n"
-        "from kernels.sinkhorn import sinkhorn\n"
+        "from attr_engine_kernels import aot\n"
+        "from attr_engine_kernels.soft_rank import soft_topk_masks\n"
+        "from attr_engine_kernels.sinkhorn import sinkhorn\n"
         "def sorter():\n"
         "    s = torch.rand(32, 784, requires_grad=True)\n"
         "    soft_topk_masks(s, [i / 16 for i in range(1, 17)], tau=0.1, n_iters=2, generator=0).sum().backward()\n"

@@ -24,7 +24,8 @@ for argv in [[], *([name] for name in commands)]:
         except SystemExit as stop:
             assert stop.code == 0, (argv, stop.code)
     texts[" ".join(argv) or "-"] = buffer.getvalue()
-heavy = sorted(m for m in ("torch", "timm", "triton", "kernels", "numpy", "matplotlib", "PIL") if m in sys.modules)
+heavy = ("torch", "timm", "triton", "attr_engine_kernels", "numpy", "matplotlib", "PIL")
+heavy = sorted(m for m in heavy if m in sys.modules)
 print(json.dumps({"heavy": heavy, "texts": texts}))
 """
 

@@ -1,6 +1,7 @@
-"""Docstrings state what the code does and why: no docstring of ``attr_engine`` or ``kernels`` longer than 30 lines
-(a public class's Args / Attributes / Examples sections aside), and no measurements, experiment histories or issue
-numbers in docstrings or CLI help texts (those live in benches/README.md and docs/ with their commands)."""
+"""Docstrings state what the code does and why: no docstring of ``attr_engine`` or ``attr_engine_kernels`` (the
+folders attr_engine/ and kernels/) longer than 30 lines (a public class's Args / Attributes / Examples sections
+aside), and no measurements, experiment histories or issue numbers in docstrings or CLI help texts (those live in
+benches/README.md and docs/ with their commands)."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ Two more rules (issue #32):
   its own floor or below, never from a floor above, not even for types.
 - **Private stays private**: a ``_private`` module is imported only from inside the package that holds it, and a
   ``_private`` name defined in a module is imported by no other module (the shared internals of one package live in
-  a private module of that package, e.g. ``kernels._tl_helpers``). What another package needs is public
-  (``kernels.validate``, ``attr_engine.metrics.curves``).
+  a private module of that package, e.g. ``attr_engine_kernels._tl_helpers``). What another package needs is public
+  (``attr_engine_kernels.validate``, ``attr_engine.metrics.curves``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+# Import name -> source folder: the kernels install as attr_engine_kernels from the folder kernels/ (pyproject.toml).
+FOLDERS = {"attr_engine_kernels": "kernels", "attr_engine": "attr_engine"}
+
+
 def _modules(package: str, root: Path = REPO) -> dict[str, Path]:
     found = {}
-    for path in (root / package).rglob("*.py"):
-        parts = path.relative_to(root).with_suffix("").parts
+    folder = root / FOLDERS[package]
+    for path in folder.rglob("*.py"):
+        parts = (package, *path.relative_to(folder).with_suffix("").parts)
         found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
@@ -119,9 +124,9 @@ def test_the_checker_finds_a_circle_through_a_lazy_import(tmp_path) -> None:
 
 
 def test_kernels_import_nothing_of_attr_engine() -> None:
-    both = {**_modules("kernels"), **_modules("attr_engine")}
-    for name, path in _modules("kernels").items():
-        assert not any(m.startswith("attr_engine") for m in _imports(name, path, both)), name
+    both = {**_modules("attr_engine_kernels"), **_modules("attr_engine")}
+    for name, path in _modules("attr_engine_kernels").items():
+        assert not any(m == "attr_engine" or m.startswith("attr_engine.") for m in _imports(name, path, both)), name
 
 
 def _is_cli(module: str) -> bool:
@@ -188,7 +193,7 @@ FLOORS: dict[str, int] = {
 
 def floor(module: str) -> int | None:
     """The floor of an ``attr_engine`` module (0 for kernels), ``None`` for the package itself."""
-    if module == "kernels" or module.startswith("kernels."):
+    if module == "attr_engine_kernels" or module.startswith("attr_engine_kernels."):
         return 0
     parts = module.split(".")
     if len(parts) == 1:
@@ -199,7 +204,7 @@ def floor(module: str) -> int | None:
 
 
 def upward_imports(root: Path) -> list[str]:
-    known = {**_modules("kernels", root), **_modules("attr_engine", root)}
+    known = {**_modules("attr_engine_kernels", root), **_modules("attr_engine", root)}
     found = []
     for name, path in sorted(known.items()):
         mine = floor(name)
@@ -232,14 +237,14 @@ def _imported_names(name: str, path: Path) -> list[tuple[str, str | None]]:
     return pairs
 
 
-def private_imports(root: Path, importers: tuple[str, ...] = ("attr_engine", "kernels")) -> list[str]:
-    known = {**_modules("kernels", root), **_modules("attr_engine", root)}
+def private_imports(root: Path, importers: tuple[str, ...] = ("attr_engine", "attr_engine_kernels")) -> list[str]:
+    known = {**_modules("attr_engine_kernels", root), **_modules("attr_engine", root)}
     found = []
     for name, path in sorted(known.items()):
         if not name.startswith(importers):
             continue
         for module, symbol in _imported_names(name, path):
-            if not module.startswith(("attr_engine", "kernels")):
+            if not module.startswith(("attr_engine", "attr_engine_kernels")):
                 continue
             dotted = module.split(".") + ([symbol] if symbol and f"{module}.{symbol}" in known else [])
             for i, part in enumerate(dotted):
@@ -271,20 +276,21 @@ def test_the_checkers_see_what_they_forbid(tmp_path) -> None:
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "__init__.py").write_text("")
     (tmp_path / "kernels" / "_helpers.py").write_text("_pid = 1\n")
-    (tmp_path / "kernels" / "op.py").write_text("from kernels._helpers import _pid\n")  # inside its package: fine
+    # inside its package: fine
+    (tmp_path / "kernels" / "op.py").write_text("from attr_engine_kernels._helpers import _pid\n")
     (pkg / "explainer.py").write_text("_KEEP = object()\n")
     (pkg / "metrics" / "_curves.py").write_text("def f(): pass\n")
     (pkg / "metrics" / "faithfulness.py").write_text("from attr_engine.metrics._curves import f\n")  # fine
     (pkg / "adapters.py").write_text("from attr_engine.explainer import _KEEP\n")
     (pkg / "baselines" / "mda.py").write_text(
-        "def g():\n    from attr_engine.metrics import _curves\n    from kernels._helpers import _pid\n"
+        "def g():\n    from attr_engine.metrics import _curves\n    from attr_engine_kernels._helpers import _pid\n"
         "    from attr_engine.evaluate import x\n"
     )
     (pkg / "evaluate.py").write_text("x = 1\n")
     assert private_imports(tmp_path) == [
         "attr_engine.adapters imports the private name attr_engine.explainer._KEEP",
         "attr_engine.baselines.mda imports the private module attr_engine.metrics._curves",
-        "attr_engine.baselines.mda imports the private module kernels._helpers",
+        "attr_engine.baselines.mda imports the private module attr_engine_kernels._helpers",
     ]
     assert upward_imports(tmp_path) == [
         "attr_engine.baselines.mda (floor 3) imports attr_engine.evaluate (floor 4)",

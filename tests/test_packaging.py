@@ -1,13 +1,16 @@
-"""The wheel a user installs: honest metadata, and it runs from a clean directory without the source tree.
+"""The wheel a user installs: honest metadata, names of its own, and it runs from a clean directory without the
+source tree, beside Hugging Face's ``kernels`` (which owns that top-level name).
 
 Built offline (``pip wheel --no-deps --no-build-isolation``: the installed setuptools, nothing downloaded) from a copy
-of the sources, so the checkout is never written to; installed with ``pip install --no-deps --target`` into a
-temporary directory that alone is put on ``PYTHONPATH``.
+of the sources, so the checkout is never written to; installed with ``pip install --no-deps`` into a new virtual
+environment that sees this machine's packages (torch, transformers, kernels), then ``pip check``. The editable install
+is checked from outside the checkout too.
 """
 
 from __future__ import annotations
 
 import email
+import json
 import os
 import shutil
 import subprocess
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 import torch
 from PIL import Image
 
@@ -57,35 +61,108 @@ def test_wheel_metadata_declares_lower_bounds_license_and_types(wheel):
     assert "torchvision" not in bare  # never imported; timm declares it
     assert meta["License"] == "Apache-2.0" and "LICENSE" in (meta.get_all("License-File") or [])
     assert any(n.endswith("licenses/LICENSE") for n in names)
-    assert "attr_engine/py.typed" in names and "kernels/py.typed" in names
+    assert "attr_engine/py.typed" in names and "attr_engine_kernels/py.typed" in names
     assert not any(n.startswith(("tests/", "benches/")) for n in names)
 
 
-def test_installed_wheel_runs_help_and_a_tiny_explain(wheel, tmp_path):
-    target, work = tmp_path / "site", tmp_path / "work"
+# Imports every module of both packages in a fresh interpreter and prints where each package and the bare name
+# `kernels` (Hugging Face's kernel hub, when installed) come from.
+_IMPORT_ALL = """
+import importlib, json, pkgutil, sys
+found = {}
+for package in ("attr_engine", "attr_engine_kernels"):
+    root = importlib.import_module(package)
+    found[package] = root.__file__
+    for info in pkgutil.walk_packages(root.__path__, package + "."):
+        importlib.import_module(info.name)
+        found[info.name] = sys.modules[info.name].__file__
+hub = importlib.util.find_spec("kernels")
+print(json.dumps({"modules": found, "kernels": hub.origin if hub else None}))
+"""
+
+
+def _import_all(python: str | Path, cwd: Path, env: dict[str, str]) -> dict:
+    done = subprocess.run([str(python), "-c", _IMPORT_ALL], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _clean_env() -> dict[str, str]:
+    """This process's environment without what would point Python at the checkout or pick a kernel backend."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ATTR_ENGINE_BACKEND", "VIRTUAL_ENV")}
+
+
+def test_the_wheel_installs_only_names_of_its_own(wheel):
+    """Top-level import names: ours alone. ``kernels`` is Hugging Face's kernel hub (transformers requires it); a
+    wheel that shipped it would overwrite theirs or be overwritten. Neither name below is a project on PyPI."""
+    with zipfile.ZipFile(wheel) as zf:
+        tops = {n.split("/")[0] for n in zf.namelist() if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert tops == {"attr_engine", "attr_engine_kernels"}
+
+
+def test_every_package_folder_is_listed(tmp_path):
+    """pyproject.toml lists the packages (find_packages cannot follow the kernels' folder mapping): a new
+    subpackage left out of the list would be missing from the wheel."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = config["package-dir"]
+    assert folders == {"attr_engine_kernels": "kernels"}
+    on_disk = set()
+    for name, folder in {"attr_engine": "attr_engine", **folders}.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(REPO / folder).parts
+            on_disk.add(".".join((name, *parts)))
+    assert set(config["packages"]) == on_disk
+
+
+def test_every_module_imports_from_outside_the_checkout(tmp_path):
+    """The installed (editable) package, from a folder that is not the repository's root: every module imports, the
+    kernels resolve to this project's code, and the bare name ``kernels`` is left to whoever owns it."""
+    result = _import_all(sys.executable, tmp_path, _clean_env())
+    modules = result["modules"]
+    assert {"attr_engine.aha", "attr_engine.serve", "attr_engine.cli.explain", "attr_engine_kernels.sinkhorn"} <= set(
+        modules
+    )
+    kernels_file = Path(modules["attr_engine_kernels"]).resolve()
+    assert kernels_file == (REPO / "kernels" / "__init__.py").resolve(), kernels_file
+    # Hugging Face's kernel hub is installed beside us (the dev extra): it keeps its name, we keep ours.
+    assert result["kernels"] is not None and not Path(result["kernels"]).resolve().is_relative_to(REPO), result
+
+
+def test_the_wheel_runs_in_a_fresh_venv_beside_huggingface_kernels(wheel, tmp_path):
+    """A new virtual environment (it sees the machine's torch, transformers and Hugging Face's ``kernels``), the wheel
+    installed into it as a user would, ``pip check``, then from a folder outside the checkout: every module imports
+    from the venv's copy, the console script answers, and a tiny explain writes its map."""
+    # --without-pip: the machine's pip installs into the venv; a bundled one would also bring the venv an old
+    # setuptools of its own, below torch's requirement, and pip check would report that instead of our wheel.
+    venv, work = tmp_path / "venv", tmp_path / "work"
     work.mkdir()
-    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(target)]
-    done = subprocess.run([*command, str(wheel)], capture_output=True, text=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True, timeout=180
+    )
+    python = venv / "bin" / "python"
+    env = _clean_env()
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check", "-q"]
+    done = subprocess.run([*pip, "install", "--no-deps", "--no-index", str(wheel)], capture_output=True, text=True,
+                          env=env, timeout=180)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    # Only the installed copy is importable as attr_engine: PYTHONPATH comes before the editable install's entries,
-    # and the working directory is not the checkout.
-    env = {**os.environ, "PYTHONPATH": str(target)}
-    env.pop("ATTR_ENGINE_BACKEND", None)
+    checked = subprocess.run([*pip[:-1], "check"], capture_output=True, text=True, env=env, timeout=180)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+    result = _import_all(python, work, env)
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               capture_output=True, text=True, check=True, timeout=60).stdout.strip())  # fmt: skip
+    for name, file in result["modules"].items():
+        assert Path(file).is_relative_to(site), (name, file)
+    # Hugging Face's package, from the machine's site-packages: the wheel brought no `kernels` into the venv.
+    assert result["kernels"] is not None and not Path(result["kernels"]).is_relative_to(site), result["kernels"]
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "attr_engine", *args], capture_output=True, text=True, env=env, cwd=work, timeout=180
-        )
+        return subprocess.run([str(venv / "bin" / "attr-engine"), *args], capture_output=True, text=True, env=env,
+                              cwd=work, timeout=300)  # fmt: skip
 
-    where = subprocess.run(
-        [sys.executable, "-c", "import attr_engine; print(attr_engine.__file__)"],
-        capture_output=True, text=True, env=env, cwd=work, timeout=60,
-    )  # fmt: skip
-    assert Path(where.stdout.strip()).is_relative_to(target), where.stdout
-    assert (target / "bin" / "attr-engine").is_file()  # the console script is installed
     helped = cli("--help")
     assert helped.returncode == 0 and "explain" in helped.stdout, helped.stderr
-
     torch.manual_seed(0)
     save_classifier(small_model_config("resnet", 32).build(6), work / "clf.safetensors")
     rgb = (np.random.default_rng(0).random((30, 40, 3)) * 255).astype(np.uint8)

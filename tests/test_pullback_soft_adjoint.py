@@ -19,7 +19,7 @@ from torch import nn
 
 from attr_engine.classifier import load_classifier
 from attr_engine.pullback.soft_adjoint import soft_adjoint
-from kernels.soft_gates import soft_maxpool2d_reference
+from attr_engine_kernels.soft_gates import soft_maxpool2d_reference
 from tests.tolerances import tol
 
 F64 = torch.float64
@@ -499,7 +499,7 @@ def test_concurrent_pullbacks_on_one_classifier_leave_no_soft_forward_behind() -
 def test_every_soft_adjoint_default_temperature_is_the_kernels_one() -> None:
     from attr_engine.pullback import PullbackConfig
     from attr_engine.pullback.soft_adjoint import SoftAdjoint
-    from kernels.soft_gates import DEFAULT_POOL_TAU, DEFAULT_TAU
+    from attr_engine_kernels.soft_gates import DEFAULT_POOL_TAU, DEFAULT_TAU
 
     expected = {"relu_tau": 0.6, "gelu_tau": 1.0, "silu_tau": 1.6, "maxpool_tau": 0.3}  # the paper's
     assert {"relu_tau": DEFAULT_TAU["relu"], "gelu_tau": DEFAULT_TAU["gelu"], "silu_tau": DEFAULT_TAU["silu"],

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from kernels._backend import set_backend
-from kernels.region import (
+from attr_engine_kernels._backend import set_backend
+from attr_engine_kernels.region import (
     blur_kernel_size,
     cell_index,
     gaussian_taps,
@@ -167,7 +167,7 @@ def test_soft_mask_blend_fused_tiles_many_masks(n_masks: int, dtype: torch.dtype
 
 
 def test_soft_mask_blend_refuses_too_many_masks() -> None:
-    from kernels.region import MAX_BLEND_MASKS
+    from attr_engine_kernels.region import MAX_BLEND_MASKS
 
     x = torch.zeros(1, 1, 2, 2)
     masks = torch.zeros(1, MAX_BLEND_MASKS + 1, 1, 1).expand(1, -1, 1, 1)

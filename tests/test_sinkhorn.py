@@ -7,14 +7,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels._backend import set_backend
-from kernels.sinkhorn import sinkhorn, sinkhorn_reference
+from attr_engine_kernels._backend import set_backend
+from attr_engine_kernels.sinkhorn import sinkhorn, sinkhorn_reference
 from tests.conftest import requires_cuda
 from tests.tolerances import BF16, FP16, FP32, tol
 
 F64 = torch.float64
-# The module itself (``kernels.sinkhorn`` the attribute may be the re-exported function).
-sk = importlib.import_module("kernels.sinkhorn")
+# The module itself (``attr_engine_kernels.sinkhorn`` the attribute may be the re-exported function).
+sk = importlib.import_module("attr_engine_kernels.sinkhorn")
 
 
 def _run(path: str, log_alpha: torch.Tensor, n_iters: int, tau: float) -> torch.Tensor:
@@ -240,7 +240,7 @@ def test_cuda_auto_matches_eager(n: int, dtype: torch.dtype) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The shared tiled core (kernels._sinkhorn_core): both cost sources on one cost matrix
+# The shared tiled core (attr_engine_kernels._sinkhorn_core): both cost sources on one cost matrix
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -248,8 +248,8 @@ def test_cuda_auto_matches_eager(n: int, dtype: torch.dtype) -> None:
 def test_core_cost_sources_agree(n: int) -> None:
     """The core driven by the sorter's scores (noise 0) and by log_alpha = -(s_c - a_r)^2 (no row shift) runs the same
     iterations: equal potentials, and the sorter's ds is the chain rule of the dense d log_alpha."""
-    from kernels import _sinkhorn_core as core
-    from kernels.soft_rank import prefix_weights, rank_anchors
+    from attr_engine_kernels import _sinkhorn_core as core
+    from attr_engine_kernels.soft_rank import prefix_weights, rank_anchors
 
     batch, n_iters, tau = 2, 3, 0.4
     scores = torch.rand(batch, n)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import set_backend
-from kernels.soft_gates import (
+from attr_engine_kernels import set_backend
+from attr_engine_kernels.soft_gates import (
     DEFAULT_TAU,
     SOFT_GATE_KINDS,
     _soft_gate_pytorch,
@@ -236,7 +236,11 @@ def test_soft_maxpool2d_backward_is_softmax_spreading(pool: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_soft_maxpool2d_pooled_backward_equals_the_unfolded_one(pool: str, dtype: torch.dtype) -> None:
     """The reference's fast form (a sum pooling and its adjoint) against the unfolded softmax it replaces."""
-    from kernels.soft_gates import _pool_geometry, _soft_maxpool2d_backward_pooled, _soft_maxpool2d_backward_unfolded
+    from attr_engine_kernels.soft_gates import (
+        _pool_geometry,
+        _soft_maxpool2d_backward_pooled,
+        _soft_maxpool2d_backward_unfolded,
+    )
 
     cfg, tau = POOLS[pool], 0.3
     x = torch.randn(2, 3, 9, 7, dtype=dtype) * 4
@@ -253,7 +257,7 @@ def test_soft_maxpool2d_pooled_backward_equals_the_unfolded_one(pool: str, dtype
 def test_soft_maxpool2d_windows_far_below_their_plane_maximum_fall_back_to_the_unfolded_form() -> None:
     """A plane whose maximum sits 1000 tau above a window underflows the pooled form's float64 sums: the reference
     must notice and still give the exact softmax spreading, not NaN."""
-    from kernels.soft_gates import _pool_geometry, _soft_maxpool2d_backward_pooled
+    from attr_engine_kernels.soft_gates import _pool_geometry, _soft_maxpool2d_backward_pooled
 
     cfg, tau = POOLS["resnet"], 0.3
     x = torch.randn(1, 2, 8, 8, dtype=torch.float64)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import kernels
-from kernels.soft_rank import (
+import attr_engine_kernels as kernels
+from attr_engine_kernels.soft_rank import (
     _sample_seeds,
     gumbel_noise,
     prefix_weights,

@@ -1,4 +1,5 @@
-"""kernels.validate: the shared scalar checks refuse bools, strings and non-finite values, naming the argument."""
+"""attr_engine_kernels.validate: the shared scalar checks refuse bools, strings and non-finite values, naming the
+argument."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from kernels.validate import check_bool, check_int, check_int_at_least, check_non_negative, check_positive
+from attr_engine_kernels.validate import check_bool, check_int, check_int_at_least, check_non_negative, check_positive
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, math.inf, math.nan, True, "0.5", None, [1.0]])

@@ -10,7 +10,7 @@ from typing import Any
 
 from attr_engine.imageops import REFERENCES
 from attr_engine.pullback import PULLBACK_METHODS
-from kernels.validate import check_bool, check_int, check_int_at_least, check_non_negative, check_positive
+from attr_engine_kernels.validate import check_bool, check_int, check_int_at_least, check_non_negative, check_positive
 
 # The decoder designs (attr_engine.aha.network.Decoder's ``kind``) and how its convolutions pad the frame.
 DECODERS = ("full", "light")
@@ -33,7 +33,7 @@ def grid_rule(height: int, width: int | None = None) -> tuple[int, int]:
     """Default inclusive (min, max) grid range for an image of ``height`` x ``width`` (``width`` None: square).
 
     ``g_max = min(28, side // 2)`` and ``g_min = max(4, g_max // 4)`` (both clipped to ``[1, g_max]``), with
-    ``side = min(H, W)``: the region grid is g x g over the whole image (``kernels.region_pool`` needs
+    ``side = min(H, W)``: the region grid is g x g over the whole image (``attr_engine_kernels.region_pool`` needs
     ``g <= min(H, W)``), so the short side bounds it. This gives 7..28 at 224 px (the official range), 7..28 at
     64 px (cells of 2.3..9 px), 4..16 at 32 px and 4..8 at 16 px. The range of the earlier rule, ``(side / 32,
     side / 8)``, scaled the official cell sizes instead: 1..4 cells at 32 px, where a 1 x 1 grid ranks nothing.
@@ -239,9 +239,9 @@ class AHAConfig:
 
         The one place a grid range meets an image size: the grid range follows :func:`grid_rule` on the short side,
         and an explicit range (the training one and the refinement one) is clipped to it, since a grid may not
-        exceed ``min(H, W)`` (``kernels.region_pool``). The peak window and the mask blur scale with the short side
-        too. On a resolved config only the clipping is left to do, so training and refinement call it again with
-        the shape of the images they are given, which may be smaller than the explainer's ``img_size``.
+        exceed ``min(H, W)`` (``attr_engine_kernels.region_pool``). The peak window and the mask blur scale with the
+        short side too. On a resolved config only the clipping is left to do, so training and refinement call it
+        again with the shape of the images they are given, which may be smaller than the explainer's ``img_size``.
         """
         height, width = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         side = min(check_int_at_least(height, "img_size", 1), check_int_at_least(width, "img_size", 1))

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import kernels
+import attr_engine_kernels as kernels
 from attr_engine.classifier import Classifier, images_per_call
 
 
@@ -64,7 +64,7 @@ def peak_penalty(maps: torch.Tensor, kernel: int) -> torch.Tensor:
 def sorter_scores(scores: torch.Tensor, score_norm: str, anchor_span: float = 4.0) -> torch.Tensor:
     """The region scores (B, N) as the sorter sees them: raw, or z-scored per image and scaled by ``anchor_span``.
 
-    The sorter's anchors span [0, 1] (``kernels.rank_anchors``). Ranking z-scores against anchors spanning
+    The sorter's anchors span [0, 1] (``attr_engine_kernels.rank_anchors``). Ranking z-scores against anchors spanning
     ``[-span / 2, span / 2]`` costs ``-(z_i - (span a_j - span / 2))^2 = 2 span z_i a_j + (terms constant along a
     row or a column)``, and Sinkhorn cancels such terms, so it equals ranking ``span * z`` against the [0, 1]
     anchors: that is what is passed on. Standardising fixes how sharply the ranking is drawn at a given tau,
@@ -184,11 +184,12 @@ def soft_auc_loss(
         reference: (B, C, H, W) image that removed regions are blended towards.
         grid: g, the region grid is g x g; offset: sub-cell grid shift (fractions of a cell).
         fractions: (S,) increasing fractions in [0, 1] at which the curves are sampled.
-        tau, n_iters, noise, generator: the Gumbel-Sinkhorn sorter (see :func:`kernels.soft_topk_masks`).
+        tau, n_iters, noise, generator: the Gumbel-Sinkhorn sorter (see :func:`attr_engine_kernels.soft_topk_masks`).
         peak_weight, peak_kernel: the peak penalty term.
         mask_sigma: Gaussian smoothing of the upsampled masks before blending, in pixels (official training: 1.0
-            at 224 px, 7 taps, reflect padding, clamped to [0, 1]; see :func:`kernels.soft_mask_blend`); 0 blends
-            with the hard cell masks. Training passes ``AHAConfig.mask_sigma``; evaluation never smooths.
+            at 224 px, 7 taps, reflect padding, clamped to [0, 1]; see
+            :func:`attr_engine_kernels.soft_mask_blend`); 0 blends with the hard cell masks. Training passes
+            ``AHAConfig.mask_sigma``; evaluation never smooths.
         score_norm, anchor_span: what enters the sorter: ``"raw"`` region scores, or ``"zscore"`` (each image's
             scores standardised over its cells, then ranked against anchors spanning ``anchor_span``; see
             :func:`sorter_scores`).

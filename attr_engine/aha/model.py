@@ -19,8 +19,8 @@ from attr_engine.classifier import Classifier, check_device, eval_mode, resolve_
 from attr_engine.explainer import Explainer, register_explainer
 from attr_engine.imageops import gaussian_blur, reference_image
 from attr_engine.pullback import SemanticPullback
-from kernels.region import blur_kernel_size
-from kernels.validate import check_int, check_int_at_least, check_positive, check_tensor
+from attr_engine_kernels.region import blur_kernel_size
+from attr_engine_kernels.validate import check_int, check_int_at_least, check_positive, check_tensor
 
 __all__ = ["AHA"]
 

@@ -41,7 +41,7 @@ from attr_engine.aha.loss import soft_auc_loss
 from attr_engine.aha.persistence import Checkpointable, latest_training_checkpoint, save_training_checkpoint
 from attr_engine.aha.validation import EarlyStopping, Scored, ValData, check_val_data, score_validation
 from attr_engine.imageops import reference_image, scaled_blur
-from kernels.validate import check_int_at_least
+from attr_engine_kernels.validate import check_int_at_least
 
 
 class Trainee(Checkpointable, Scored, Protocol):

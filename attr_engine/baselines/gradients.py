@@ -27,7 +27,7 @@ from torch import nn
 from attr_engine.baselines._captum import import_captum
 from attr_engine.classifier import images_per_call
 from attr_engine.explainer import Explainer
-from kernels.validate import check_int, check_int_at_least, check_positive
+from attr_engine_kernels.validate import check_int, check_int_at_least, check_positive
 
 __all__ = ["Gradient", "GradientXInput", "IntegratedGradients", "Occlusion", "Saliency", "SmoothGrad", "image_seeds"]
 

@@ -44,8 +44,8 @@ from attr_engine.classifier import Classifier
 from attr_engine.explainer import Explainer, get_explainer, resolve_explainer
 from attr_engine.metrics.curves import batched_logits, perturbation_curve, target_probability
 from attr_engine.metrics.perturbation import pixel_ranks
-from kernels.region import cell_index
-from kernels.validate import check_int_at_least
+from attr_engine_kernels.region import cell_index
+from attr_engine_kernels.validate import check_int_at_least
 
 __all__ = ["MDA", "convex_fit", "default_grid", "mda_blur", "mda_blur_kernel", "search_window"]
 
@@ -364,7 +364,8 @@ def search_window(cells: int) -> int:
 
 
 def _cell_of_pixel(height: int, width: int, grid: tuple[int, int], device: torch.device) -> torch.Tensor:
-    """(H * W,) row-major cell id of every pixel: the regular ``gh x gw`` partition of ``kernels.region``."""
+    """(H * W,) row-major cell id of every pixel: the regular ``gh x gw`` partition of
+    ``attr_engine_kernels.region``."""
     rows = cell_index(height, grid[0]).to(device)
     cols = cell_index(width, grid[1]).to(device)
     return (rows[:, None] * grid[1] + cols[None, :]).flatten()

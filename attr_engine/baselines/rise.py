@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attr_engine.explainer import Explainer
-from kernels.validate import check_int_at_least, check_positive
+from attr_engine_kernels.validate import check_int_at_least, check_positive
 
 __all__ = ["RISE", "rise_masks"]
 

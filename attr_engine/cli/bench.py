@@ -127,8 +127,8 @@ def run_bench(args: argparse.Namespace) -> int:
     work_started()
     status = 0
     if not args.skip_kernels:
-        command = [sys.executable, "-m", "kernels.selfcheck", *(["--quick"] if args.quick else [])]
-        print("== kernels: python -m kernels.selfcheck" + (" --quick" if args.quick else ""), flush=True)
+        command = [sys.executable, "-m", "attr_engine_kernels.selfcheck", *(["--quick"] if args.quick else [])]
+        print("== kernels: python -m attr_engine_kernels.selfcheck" + (" --quick" if args.quick else ""), flush=True)
         # The self-check runs in its own process (it re-executes itself under the Triton interpreter on a CPU);
         # it gets this process's thread count, so --threads applies to it too.
         env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from attr_engine.imageops import DataConfig, decode_image, pil_to_tensor, preprocess
-from kernels.validate import check_int_at_least, check_positive
+from attr_engine_kernels.validate import check_int_at_least, check_positive
 
 if TYPE_CHECKING:
     from PIL import Image

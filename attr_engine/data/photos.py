@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from attr_engine._optional import optional_import
-from kernels.validate import check_int_at_least
+from attr_engine_kernels.validate import check_int_at_least
 
 __all__ = ["PHOTO_CLASSES", "PhotoCropsDataset", "write_photo_folder"]
 

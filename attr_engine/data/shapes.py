@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from kernels.validate import check_int_at_least, check_non_negative
+from attr_engine_kernels.validate import check_int_at_least, check_non_negative
 
 __all__ = ["SHAPE_KINDS", "ShapesDataset", "ShapesSample"]
 

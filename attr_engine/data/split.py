@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kernels.validate import check_int
+from attr_engine_kernels.validate import check_int
 
 __all__ = ["holdout_split", "item_names"]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kernels.validate import check_int_at_least
+from attr_engine_kernels.validate import check_int_at_least
 
 if TYPE_CHECKING:
     import torch

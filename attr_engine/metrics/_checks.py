@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from attr_engine.classifier import Classifier, resolve_targets
-from kernels.validate import check_tensor
+from attr_engine_kernels.validate import check_tensor
 
 __all__ = ["check_classifier", "check_images", "check_masks", "check_pixel_maps", "resolve_target"]
 

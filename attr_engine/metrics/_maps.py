@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.validate import check_bool, check_tensor
+from attr_engine_kernels.validate import check_bool, check_tensor
 
 __all__ = ["NORMALISATIONS", "Explain", "call_explainer", "prepare_maps"]
 

@@ -40,7 +40,7 @@ from attr_engine.metrics._checks import check_classifier, check_images, check_pi
 from attr_engine.metrics._maps import prepare_maps
 from attr_engine.metrics.curves import batched_logits, perturbation_curve, target_probability
 from attr_engine.metrics.perturbation import pixel_ranks
-from kernels.validate import check_int_at_least, check_tensor
+from attr_engine_kernels.validate import check_int_at_least, check_tensor
 
 __all__ = [
     "INFIDELITY_BASELINES",

@@ -9,7 +9,7 @@ import torch
 
 from attr_engine.metrics._checks import check_masks, check_pixel_maps
 from attr_engine.metrics.perturbation import pixel_ranks
-from kernels.validate import check_non_negative
+from attr_engine_kernels.validate import check_non_negative
 
 __all__ = ["energy_pointing_game", "pointing_game", "top_k_mask_iou"]
 

@@ -28,7 +28,7 @@ from attr_engine.classifier import Classifier
 from attr_engine.imageops import gaussian_blur, resolve_reference
 from attr_engine.metrics._checks import check_classifier, check_images, check_pixel_maps, resolve_target
 from attr_engine.metrics.curves import batched_logits, perturbation_curve, target_probability
-from kernels.validate import check_int_at_least
+from attr_engine_kernels.validate import check_int_at_least
 
 __all__ = ["PROTOCOLS", "DeletionInsertion", "deletion_insertion", "perturbation_counts", "pixel_ranks"]
 

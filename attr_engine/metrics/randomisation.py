@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from attr_engine.metrics._checks import check_images
 from attr_engine.metrics._maps import Explain, call_explainer, prepare_maps
 from attr_engine.metrics.robustness import resolve_explainer_target
-from kernels.validate import check_int_at_least
+from attr_engine_kernels.validate import check_int_at_least
 
 __all__ = ["SIMILARITIES", "pearson_similarity", "random_logit", "random_other_class", "ssim_similarity"]
 

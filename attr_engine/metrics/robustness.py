@@ -17,7 +17,7 @@ import torch
 from attr_engine.classifier import resolve_targets
 from attr_engine.metrics._checks import check_images
 from attr_engine.metrics._maps import Explain, call_explainer, prepare_maps
-from kernels.validate import check_int_at_least, check_positive, check_tensor
+from attr_engine_kernels.validate import check_int_at_least, check_positive, check_tensor
 
 __all__ = ["max_sensitivity", "resolve_explainer_target"]
 

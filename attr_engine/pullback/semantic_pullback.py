@@ -29,7 +29,7 @@ from torch import nn
 
 from attr_engine.explainer import Explainer, register_explainer
 from attr_engine.pullback.soft_adjoint import GELU_TAU, MAXPOOL_TAU, RELU_TAU, SILU_TAU, soft_adjoint
-from kernels.validate import check_int_at_least, check_positive
+from attr_engine_kernels.validate import check_int_at_least, check_positive
 
 __all__ = ["PULLBACK_METHODS", "PULLBACK_RANKING_SOURCE", "PullbackConfig", "SemanticPullback", "default_alpha"]
 

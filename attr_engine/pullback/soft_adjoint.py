@@ -6,7 +6,7 @@ carry *state* (gates, routing, normalisation statistics, attention weights) by t
 =====================  =========================================================================================
 layer                  backward inside the context
 =====================  =========================================================================================
-ReLU                   ``grad * Phi(z / relu_tau)`` (:func:`kernels.soft_gates.soft_gate`)
+ReLU                   ``grad * Phi(z / relu_tau)`` (:func:`attr_engine_kernels.soft_gates.soft_gate`)
 ReLU6                  ``grad * (Phi(z / relu_tau) - Phi((z - 6) / relu_tau))``: the same soft step at both kinks
 GELU (erf, tanh)       ``grad * Phi(z / gelu_tau)``; transformers' GELU variants (``GELUActivation``, ``NewGELU``,
                        ``QuickGELU``, ...) keep their own value and take the same gate
@@ -54,9 +54,9 @@ from timm.models.pvt_v2 import Attention as PvtAttention
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from kernels import compute_dtype
-from kernels.soft_gates import DEFAULT_POOL_TAU, DEFAULT_TAU, soft_gate, soft_maxpool2d
-from kernels.validate import check_bool, check_positive
+from attr_engine_kernels import compute_dtype
+from attr_engine_kernels.soft_gates import DEFAULT_POOL_TAU, DEFAULT_TAU, soft_gate, soft_maxpool2d
+from attr_engine_kernels.validate import check_bool, check_positive
 
 _P = ParamSpec("_P")
 

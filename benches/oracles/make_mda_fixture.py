@@ -14,7 +14,7 @@ docs/deviations.md:
 
 - ``slic`` returns the regular 7 x 7 grid of 32 px cells. SLIC at compactness 10000 is a grid too, but its first
   row and column of cells are 33 px and its last 31 px (its centres start at 16 px and ties go to the lower label);
-  MDA here uses the regular partition of ``kernels.region``.
+  MDA here uses the regular partition of ``attr_engine_kernels.region``.
 - ``np.argsort`` is stable. The MAS curves rank pixels by ``np.flip(np.argsort(map))``, and every cell's pixels tie:
   numpy's default (introsort, AVX-512 / AVX2 sorts on x86) orders ties by platform; stable, a tie goes to the later
   pixel, which is what MDA here does.
