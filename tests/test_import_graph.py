@@ -23,8 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-# Import name -> source folder: the kernels install as attr_engine_kernels from the folder kernels/ (pyproject.toml).
-FOLDERS = {"attr_engine_kernels": "kernels", "attr_engine": "attr_engine"}
+# Import name -> source folder (pyproject.toml maps the kernels' package under kernels/).
+FOLDERS = {"attr_engine_kernels": "kernels/attr_engine_kernels", "attr_engine": "attr_engine"}
 
 
 def _modules(package: str, root: Path = REPO) -> dict[str, Path]:
@@ -273,11 +273,12 @@ def test_the_checkers_see_what_they_forbid(tmp_path) -> None:
         (pkg / sub).mkdir(parents=True)
         (pkg / sub / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    (tmp_path / "kernels").mkdir()
-    (tmp_path / "kernels" / "__init__.py").write_text("")
-    (tmp_path / "kernels" / "_helpers.py").write_text("_pid = 1\n")
+    ops = tmp_path / "kernels" / "attr_engine_kernels"
+    ops.mkdir(parents=True)
+    (ops / "__init__.py").write_text("")
+    (ops / "_helpers.py").write_text("_pid = 1\n")
     # inside its package: fine
-    (tmp_path / "kernels" / "op.py").write_text("from attr_engine_kernels._helpers import _pid\n")
+    (ops / "op.py").write_text("from attr_engine_kernels._helpers import _pid\n")
     (pkg / "explainer.py").write_text("_KEEP = object()\n")
     (pkg / "metrics" / "_curves.py").write_text("def f(): pass\n")
     (pkg / "metrics" / "faithfulness.py").write_text("from attr_engine.metrics._curves import f\n")  # fine

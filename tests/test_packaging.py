@@ -65,8 +65,8 @@ def test_wheel_metadata_declares_lower_bounds_license_and_types(wheel):
     assert not any(n.startswith(("tests/", "benches/")) for n in names)
 
 
-# Imports every module of both packages in a fresh interpreter and prints where each package and the bare name
-# `kernels` (Hugging Face's kernel hub, when installed) come from.
+# Imports every module of both packages and transformers' hub-kernel integration (which imports Hugging Face's
+# `kernels` when installed) in a fresh interpreter, and prints where each module and the bare name `kernels` come from.
 _IMPORT_ALL = """
 import importlib, json, pkgutil, sys
 found = {}
@@ -77,6 +77,7 @@ for package in ("attr_engine", "attr_engine_kernels"):
         importlib.import_module(info.name)
         found[info.name] = sys.modules[info.name].__file__
 hub = importlib.util.find_spec("kernels")
+import transformers.activations  # imports Hugging Face's kernels when it is installed
 print(json.dumps({"modules": found, "kernels": hub.origin if hub else None}))
 """
 
@@ -106,7 +107,8 @@ def test_every_package_folder_is_listed(tmp_path):
     subpackage left out of the list would be missing from the wheel."""
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     folders = config["package-dir"]
-    assert folders == {"attr_engine_kernels": "kernels"}
+    assert folders == {"attr_engine_kernels": "kernels/attr_engine_kernels"}
+    assert not (REPO / "kernels" / "__init__.py").exists()  # kernels/ must never be a package named `kernels`
     on_disk = set()
     for name, folder in {"attr_engine": "attr_engine", **folders}.items():
         for init in (REPO / folder).rglob("__init__.py"):
@@ -115,16 +117,18 @@ def test_every_package_folder_is_listed(tmp_path):
     assert set(config["packages"]) == on_disk
 
 
-def test_every_module_imports_from_outside_the_checkout(tmp_path):
-    """The installed (editable) package, from a folder that is not the repository's root: every module imports, the
-    kernels resolve to this project's code, and the bare name ``kernels`` is left to whoever owns it."""
-    result = _import_all(sys.executable, tmp_path, _clean_env())
+@pytest.mark.parametrize("where", ["outside", "root"])
+def test_every_module_imports_from_any_folder(where, tmp_path):
+    """The installed (editable) package, from a folder outside the checkout and from the repository's root (on
+    ``sys.path`` first, as under ``python -m pytest``): every module imports, the kernels resolve to this project's
+    code, and the bare name ``kernels`` is left to whoever owns it, so transformers still finds its own."""
+    result = _import_all(sys.executable, tmp_path if where == "outside" else REPO, _clean_env())
     modules = result["modules"]
     assert {"attr_engine.aha", "attr_engine.serve", "attr_engine.cli.explain", "attr_engine_kernels.sinkhorn"} <= set(
         modules
     )
     kernels_file = Path(modules["attr_engine_kernels"]).resolve()
-    assert kernels_file == (REPO / "kernels" / "__init__.py").resolve(), kernels_file
+    assert kernels_file == (REPO / "kernels" / "attr_engine_kernels" / "__init__.py").resolve(), kernels_file
     # Hugging Face's kernel hub is installed beside us (the dev extra): it keeps its name, we keep ours.
     assert result["kernels"] is not None and not Path(result["kernels"]).resolve().is_relative_to(REPO), result
 
