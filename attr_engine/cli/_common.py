@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import os
 import platform
@@ -398,13 +399,31 @@ def check_writable_dir(path: str | os.PathLike[str]) -> Path:
     return out
 
 
+def cpu_model() -> str:
+    """The CPU's model name and the vector instructions torch's kernels use on it, e.g. ``"AMD EPYC (AVX2)"``.
+
+    CPU float results depend on both (the vendor's BLAS path and the vector width reorder sums), so a recorded run
+    is reproducible to its last digits only on a CPU with the same model name and capability.
+    """
+    import torch
+
+    name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.partition(":")[2].strip()
+                break
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
 def machine_summary(device: torch.device) -> dict[str, Any]:
-    """Where a result was measured: CPU, cores, torch threads, GPU, versions."""
+    """Where a result was measured: CPU (model and vector capability), cores, torch threads, GPU, versions."""
     import torch
 
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

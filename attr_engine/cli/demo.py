@@ -423,8 +423,8 @@ _README_HEADERS = {"pointing_game": "pointing game", "energy_pointing_game": "en
 
 def readme_record(results: dict[str, Any], command: str) -> dict[str, Any]:
     """What the README's table shows of a demo run (``results.json``), with what reproduces it: the command, the
-    seed, torch's version and thread count. Scores at full precision; ``ms/image`` apart (it is measured, not
-    reproduced)."""
+    seed, torch's version and thread count, the CPU (:func:`cpu_model`: training on another CPU model or vector
+    width moves the last digits). Scores at full precision; ``ms/image`` apart (it is measured, not reproduced)."""
     rows = [{k: v for k, v in row.items() if k != "ms/image"} for row in results["leaderboard"]]
     return {
         "command": command,
@@ -432,6 +432,7 @@ def readme_record(results: dict[str, Any], command: str) -> dict[str, Any]:
         "sizes": results["sizes"],
         "torch": results["machine"]["torch"],
         "torch_threads": results["machine"]["torch_threads"],
+        "cpu": results["machine"]["cpu"],
         "classifier_accuracy": results["classifier_accuracy"],
         "rows": rows,
         "ms_per_image": {row["method"]: row["ms/image"] for row in results["leaderboard"]},
