@@ -244,6 +244,8 @@ def _bomb() -> bytes:
 
 BAD_REQUESTS = {
     "not json": (b"{instances: [", 400, "not JSON"),
+    "nested too deeply": (b"[" * 100_000, 400, "nested deeper than"),
+    "instances nested too deeply": (b'{"instances": ' + b"[" * 90_000 + b"]" * 90_000 + b"}", 400, "nested deeper"),
     "no instances": (json.dumps({"inputs": []}).encode(), 400, "'instances'"),
     "empty instances": (json.dumps({"instances": []}).encode(), 400, "empty"),
     "too many instances": (json.dumps({"instances": [{}] * 9}).encode(), 413, "limit of 8"),
