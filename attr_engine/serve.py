@@ -356,7 +356,13 @@ class ModelServer:
             return JSONResponse({"error": line}, status_code=500)
 
     async def _body(self, request: Request) -> bytes:
-        """The request body, read no further than ``max_request_bytes``."""
+        """The request body, read no further than ``max_request_bytes``: a Content-Length over the limit is refused
+        (413) before a byte of the body is read, a body without one at the first chunk past the limit.
+
+        The 413 may go out while the client is still sending: the HTTP server (uvicorn, in Ray Serve's proxy) reads
+        and drops the rest of that body and keeps the connection open, so a client that sends its whole body before
+        it reads the answer (httpx does) gets the 413 rather than a reset connection.
+        """
         limit = self.settings.max_request_bytes
         too_large = InstanceError(f"the request body exceeds the server's limit of {limit} bytes", 413)
         declared = request.headers.get("content-length", "")
