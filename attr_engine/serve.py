@@ -21,12 +21,12 @@ as raw little-endian bytes in the original image's frame (NaN where the centre c
 ``frame="model"``, the classifier's input size; ``POST /v1/models/<name>:predict`` -> ``{"predictions": [{"class",
 "probability", "name", "error"}]}``; ``GET /v1/models/<name>``, ``GET /v1/models`` and ``GET /`` for health.
 
-**Errors.** A request the server cannot take (not JSON, no ``instances``, too many, too large, an unknown route or
-model) is answered 4xx with ``{"error": "<one line>"}``. A bad instance (a field missing or unknown, a payload
-over :attr:`ServeSettings.max_image_bytes`, refused before decoding, no PNG / JPEG / WebP, a side under
-:attr:`ServeSettings.min_side` or more than :attr:`ServeSettings.max_pixels` pixels, read from the header, a
-target that is no class, a non-finite map) gets its ``error`` and the others still answer; when every instance
-failed the request is answered with the first one's line: 4xx for a bad instance, 500 for the method's failure.
+**Errors.** A request the server cannot take (not JSON, nested too deeply, no ``instances``, too many, too large,
+an unknown route or model) is answered 4xx with ``{"error": "<one line>"}``. A bad instance (a field missing or
+unknown, a payload over :attr:`ServeSettings.max_image_bytes`, refused before decoding, no PNG / JPEG / WebP, a
+side under :attr:`ServeSettings.min_side` or more than :attr:`ServeSettings.max_pixels` pixels, read from the
+header, a target that is no class, a non-finite map) gets its ``error`` and the others still answer; when all
+failed, the request is answered with the first one's line: 4xx for a bad instance, 500 for the method's failure.
 Ray is imported by this module: ``import attr_engine`` never loads it (``pip install 'attr-engine[serve]'``).
 """
 
@@ -40,6 +40,7 @@ import io
 import json
 import logging
 import math
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -218,6 +219,14 @@ def _instances(body: bytes, settings: ServeSettings) -> list[Any]:
         request = json.loads(body)
     except (UnicodeDecodeError, ValueError):
         raise InstanceError("the request body is not JSON") from None
+    except RecursionError:
+        # json's C parser counts each array or object it enters against the interpreter's recursion limit and
+        # stops at the first level past it, the rest of the body unread: refusing costs no more than parsing a body
+        # that shallow, where a depth scan of our own would walk every byte of every large body in Python.
+        raise InstanceError(
+            "the request body is nested deeper than the JSON parser's limit of about "
+            f"{sys.getrecursionlimit()} levels of arrays and objects"
+        ) from None
     if not isinstance(request, dict) or not isinstance(request.get("instances"), list):
         raise InstanceError("the request needs 'instances': a list of {'image': {'b64': ...}, 'target': ...}")
     instances = request["instances"]
@@ -347,7 +356,13 @@ class ModelServer:
             return JSONResponse({"error": line}, status_code=500)
 
     async def _body(self, request: Request) -> bytes:
-        """The request body, read no further than ``max_request_bytes``."""
+        """The request body, read no further than ``max_request_bytes``: a Content-Length over the limit is refused
+        (413) before a byte of the body is read, a body without one at the first chunk past the limit.
+
+        The 413 may go out while the client is still sending: the HTTP server (uvicorn, in Ray Serve's proxy) reads
+        and drops the rest of that body and keeps the connection open, so a client that sends its whole body before
+        it reads the answer (httpx does) gets the 413 rather than a reset connection.
+        """
         limit = self.settings.max_request_bytes
         too_large = InstanceError(f"the request body exceeds the server's limit of {limit} bytes", 413)
         declared = request.headers.get("content-length", "")

@@ -244,6 +244,8 @@ def _bomb() -> bytes:
 
 BAD_REQUESTS = {
     "not json": (b"{instances: [", 400, "not JSON"),
+    "nested too deeply": (b"[" * 100_000, 400, "nested deeper than"),
+    "instances nested too deeply": (b'{"instances": ' + b"[" * 90_000 + b"]" * 90_000 + b"}", 400, "nested deeper"),
     "no instances": (json.dumps({"inputs": []}).encode(), 400, "'instances'"),
     "empty instances": (json.dumps({"instances": []}).encode(), 400, "empty"),
     "too many instances": (json.dumps({"instances": [{}] * 9}).encode(), 413, "limit of 8"),
@@ -299,6 +301,40 @@ def test_bad_requests_get_4xx_and_one_line_and_the_replica_stays(server, data):
     assert _replicas() == server["replicas"] and len(server["replicas"]) == 1
     status = serve.status().applications["attr-engine"]
     assert status.status == "RUNNING" and status.deployments["ModelServer"].replica_states == {"RUNNING": 1}
+
+
+def test_a_body_over_the_limit_is_answered_413_while_the_client_is_still_sending(server, data):
+    """A body megabytes over --max-request-bytes, declared by its Content-Length or sent in chunks without one: the
+    client gets the 413 and its one line, not a reset connection. A declared length over the limit is answered
+    before a byte of the body is sent (a raw socket that sends the headers alone), and the same replica then
+    answers a good request from the same client."""
+    client, url = server["client"], httpx.URL(server["url"])
+    limit = 200_000  # LIMITS' --max-request-bytes
+    size = 5_000_000
+
+    def chunks():  # no Content-Length: httpx sends it chunked
+        for start in range(0, size, 1 << 16):
+            yield b"x" * min(1 << 16, size - start)
+
+    for body in (b"x" * size, chunks()):
+        answer = client.post(f"/v1/models/{NAME}:explain", content=body)
+        assert answer.status_code == 413, answer.text
+        error = answer.json()["error"]
+        assert error == f"the request body exceeds the server's limit of {limit} bytes", error
+    with socket.create_connection((url.host, url.port), timeout=60) as raw:
+        raw.sendall(f"POST /v1/models/{NAME}:explain HTTP/1.1\r\nHost: {url.host}\r\nContent-Length: {size}\r\n"
+                    "Content-Type: application/json\r\n\r\n".encode())  # fmt: skip
+        reply = b""
+        while b"}" not in reply:  # the JSON error's end; the body is never sent
+            piece = raw.recv(1 << 16)
+            assert piece, reply
+            reply += piece
+    head, _, error_json = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 "), reply
+    assert json.loads(error_json)["error"] == f"the request body exceeds the server's limit of {limit} bytes"
+    answer = _explain(client, [{"image": {"b64": _b64(data["images"]["a.png"])}}])
+    assert answer.status_code == 200 and answer.json()["explanations"][0]["error"] is None
+    assert _replicas() == server["replicas"]
 
 
 def test_a_bad_instance_gets_its_error_and_the_others_still_answer(server, data):
