@@ -173,6 +173,7 @@ FLOORS: dict[str, int] = {
             "distributed",
             "imageops",
             "model_sources",
+            "pixels",
             "tables",
             "visualize",
         ],
