@@ -218,8 +218,8 @@ def test_the_numpy_frame_mapping_is_to_image_frame(image_size, config):
 
 
 def test_the_torch_free_pipeline_imports_no_torch_and_imageops_shares_its_geometry():
-    """One definition of the crop: imageops' names are pixels' own; pixels imports without torch, which the
-    subprocess blocks."""
+    """One definition of the crop: imageops' names are pixels' own; pixels (and the artifact reader) import
+    without torch, which the subprocess blocks."""
     import subprocess
     import sys
 
@@ -231,6 +231,7 @@ def test_the_torch_free_pipeline_imports_no_torch_and_imageops_shares_its_geomet
         "import sys; sys.modules['torch'] = None\n"
         "import numpy as np; from PIL import Image\n"
         "from attr_engine.pixels import DataConfig, decode_image, preprocess_array, image_frame_array\n"
+        "import attr_engine.artifact\n"
         "config = DataConfig((16, 16), 0.9)\n"
         "x = preprocess_array(Image.fromarray(np.zeros((20, 30, 3), np.uint8)), config)\n"
         "print(x.shape, image_frame_array(x[0], (20, 30), config).shape)\n"

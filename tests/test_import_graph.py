@@ -165,6 +165,7 @@ FLOORS: dict[str, int] = {
         [
             "_optional",
             "_training",
+            "artifact",
             "checkpoint",
             "claims",
             "classifier",
