@@ -39,6 +39,7 @@ from torch import nn
 
 from attr_engine.classifier import Classifier, check_device, eval_mode, input_dtype, resolve_targets
 from attr_engine.imageops import REFERENCES, resolve_reference
+from attr_engine.pixels import NONFINITE_MAP  # an image's error when its map is not finite
 from attr_engine_kernels.validate import check_tensor
 
 __all__ = [
@@ -751,10 +752,6 @@ def explain_batch_with_probability(
         target = logits.argmax(1) if target is None else resolve_targets(classifier, x, target, logits=logits)
         probability = logits.float().softmax(1).gather(1, target[:, None])[:, 0].cpu()
     return explainer.attribute(x, target).float().cpu(), target, probability
-
-
-# The error of an input whose map came out NaN or infinite: reported and counted by both engines, never written.
-NONFINITE_MAP = "the map has NaN or infinite values"
 
 
 def finite_maps(maps: torch.Tensor) -> list[bool]:

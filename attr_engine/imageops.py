@@ -9,19 +9,27 @@ settings from a timm model's pretrained config.
 It is the one image pipeline: :func:`decode_image` (file -> PIL image), :func:`crop_geometry` / :func:`preprocess`
 (resize and crop) and :func:`pil_to_tensor` serve ``explain`` (both engines) and
 :class:`~attr_engine.data.ImageFolderDataset` (training, evaluation) alike, so a classifier is trained and explained
-on the same pixels of a file. ``attr_engine.data`` imports this module, never the reverse.
+on the same pixels of a file. ``attr_engine.data`` imports this module, never the reverse. The parts that need no
+torch (the file reader, :class:`DataConfig` and the crop's geometry) are defined in :mod:`attr_engine.pixels`,
+with numpy twins of :func:`preprocess` and :func:`to_image_frame` for a server that runs without torch.
 """
 
 from __future__ import annotations
 
-import math
-import os
-from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from attr_engine.pixels import (
+    CROP_MODES,
+    INTERPOLATIONS,
+    CropGeometry,
+    DataConfig,
+    crop_geometry,
+    crop_image,
+    decode_image,
+)
 from attr_engine_kernels.validate import check_tensor
 
 if TYPE_CHECKING:
@@ -147,48 +155,6 @@ def resolve_reference(
 # The classifier's preprocessing and its inverse
 # ---------------------------------------------------------------------------------------------------------------
 
-# Single-channel modes PIL cannot convert to 8-bit RGB without clipping, and the value that maps to 1.0.
-_HIGH_DEPTH_SCALE = {"I;16": 65535.0, "I;16L": 65535.0, "I;16B": 65535.0, "I;16N": 65535.0, "I": 65535.0, "F": 1.0}
-
-_INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos")
-_CROP_MODES = ("center", "squash")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """How a classifier's input is cut from an image (timm's evaluation transform).
-
-    Attributes:
-        input_size: ``(H, W)`` of the classifier's input.
-        crop_pct: fraction of the resized image the centre crop keeps: the image is resized to
-            ``floor(H / crop_pct)`` (shorter side, ``"center"``) before the ``H x W`` crop; 1.0 keeps the whole
-            shorter side.
-        interpolation: PIL resampling filter name (``"bicubic"``, ``"bilinear"``, ``"nearest"``, ...).
-        crop_mode: ``"center"`` (aspect ratio kept, the longer side cropped) or ``"squash"`` (each side resized to
-            ``size / crop_pct``, aspect ratio not kept, then centre-cropped).
-    """
-
-    input_size: tuple[int, int]
-    crop_pct: float = 1.0
-    interpolation: str = "bicubic"
-    crop_mode: str = "center"
-
-    def __post_init__(self) -> None:
-        h, w = self.input_size
-        if min(h, w) < 1:
-            raise ValueError(f"input_size must be positive, got {self.input_size}")
-        if not 0.0 < self.crop_pct <= 1.0:
-            raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
-        if self.interpolation not in _INTERPOLATIONS:
-            raise ValueError(f"interpolation must be one of {', '.join(_INTERPOLATIONS)}, got {self.interpolation!r}")
-        if self.crop_mode not in _CROP_MODES:
-            raise ValueError(f"crop_mode must be one of {', '.join(_CROP_MODES)}, got {self.crop_mode!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready, e.g. for a settings record."""
-        return {"input_size": list(self.input_size), "crop_pct": self.crop_pct,
-                "interpolation": self.interpolation, "crop_mode": self.crop_mode}  # fmt: skip
-
 
 def data_config(
     classifier: Any,
@@ -221,79 +187,9 @@ def data_config(
     return DataConfig(
         input_size=(int(size[0]), int(size[1])),
         crop_pct=float(crop_pct if crop_pct is not None else cfg.get("crop_pct", 1.0)),
-        interpolation=interp if interp in _INTERPOLATIONS else "bicubic",  # timm's "random" is a training mode
-        crop_mode=mode if mode in _CROP_MODES else "center",
+        interpolation=interp if interp in INTERPOLATIONS else "bicubic",  # timm's "random" is a training mode
+        crop_mode=mode if mode in CROP_MODES else "center",
     )
-
-
-@dataclass(frozen=True)
-class CropGeometry:
-    """Where the classifier's input lies in an image: resized to ``resized`` ``(h, w)``, then the ``size`` crop at
-    ``(top, left)`` of the resized image. All in pixels."""
-
-    image_size: tuple[int, int]
-    resized: tuple[int, int]
-    top: int
-    left: int
-    size: tuple[int, int]
-
-
-def crop_geometry(image_size: tuple[int, int], config: DataConfig) -> CropGeometry:
-    """The resize and crop :func:`preprocess` applies to an image of ``(height, width)`` (timm / torchvision
-    arithmetic: ``floor(size / crop_pct)``, the longer side truncated, the crop offset rounded)."""
-    h0, w0 = (int(v) for v in image_size)
-    if min(h0, w0) < 1:
-        raise ValueError(f"image size must be positive, got {image_size}")
-    h, w = config.input_size
-    scale_h, scale_w = math.floor(h / config.crop_pct), math.floor(w / config.crop_pct)
-    if config.crop_mode == "squash" or scale_h != scale_w:
-        hr, wr = scale_h, scale_w
-    else:
-        short = scale_h
-        if h0 <= w0:
-            hr, wr = short, int(short * w0 / h0)
-        else:
-            hr, wr = int(short * h0 / w0), short
-    hr, wr = max(hr, h), max(wr, w)
-    return CropGeometry((h0, w0), (hr, wr), round((hr - h) / 2.0), round((wr - w) / 2.0), (h, w))
-
-
-def decode_image(source: str | os.PathLike[str] | IO[bytes]) -> Image.Image:
-    """Fully decode an image file to an RGB PIL image, or a mode-``F`` greyscale one in [0, 1] for high bit depths.
-
-    The reader of every image the package loads from disk (``explain``, its Ray engine, the image-folder dataset).
-    The image is EXIF-rotated (a phone photo comes out the way it is viewed) and converted to RGB: palette and
-    greyscale replicated, alpha dropped. 16-bit greyscale (PIL modes ``I;16*``, and ``I`` as PIL opens 16-bit
-    PNG / TIFF) maps 0..65535 to [0, 1] and 32-bit float (mode ``F``, e.g. float TIFF) is read as [0, 1]
-    intensities, both clipped to [0, 1] and returned as mode ``F``: ``convert("RGB")`` would clip them at 255 and
-    turn the image white. :func:`pil_to_tensor` turns either kind into ``(3, H, W)`` float32.
-
-    Args:
-        source: a path, or a binary file object open for reading (e.g. ``io.BytesIO`` of a file's bytes).
-
-    Returns:
-        A loaded PIL image (no file handle kept open), mode ``RGB`` or ``F``, ``(width, height)`` as displayed.
-
-    Raises:
-        ValueError: the file cannot be read or is no image PIL knows; the message names ``source`` (a file object
-            by its ``name`` when it has one) and the error PIL gave is its ``__cause__``.
-    """
-    import numpy as np
-    from PIL import Image, ImageOps
-
-    try:
-        with Image.open(source) as im:
-            im.load()
-            im = ImageOps.exif_transpose(im)
-            scale = _HIGH_DEPTH_SCALE.get(im.mode)
-            if scale is not None:
-                values = np.asarray(im, dtype=np.float32) / scale
-                return Image.fromarray(np.clip(values, 0.0, 1.0).astype(np.float32))  # mode F
-            return im.convert("RGB")
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        # PIL reports truncated or foreign files as OSError / UnidentifiedImageError (an OSError) / SyntaxError.
-        name = source if isinstance(source, str | os.PathLike) else getattr(source, "name", source)
-        raise ValueError(f"cannot read image {name}: {err}") from err
 
 
 def pil_to_tensor(img: Image.Image) -> torch.Tensor:
@@ -310,7 +206,8 @@ def pil_to_tensor(img: Image.Image) -> torch.Tensor:
 
 
 def preprocess(img: Image.Image, config: DataConfig) -> torch.Tensor:
-    """The classifier's input cut from a PIL image: resize, centre-crop (:func:`crop_geometry`).
+    """The classifier's input cut from a PIL image: resize, centre-crop (:func:`crop_geometry`,
+    :func:`~attr_engine.pixels.crop_image`).
 
     ``explain`` and :class:`~attr_engine.data.ImageFolderDataset` with an ``img_size`` both cut their images here,
     so a file gives the classifier the same tensor in training as when it is explained. The resize is PIL's plain
@@ -319,15 +216,7 @@ def preprocess(img: Image.Image, config: DataConfig) -> torch.Tensor:
     Returns:
         ``(3, H, W)`` float32 in [0, 1], ``(H, W) = config.input_size``.
     """
-    from PIL import Image
-
-    geo = crop_geometry((img.height, img.width), config)
-    resample = getattr(Image.Resampling, config.interpolation.upper())
-    hr, wr = geo.resized
-    if (hr, wr) != (img.height, img.width):
-        img = img.resize((wr, hr), resample)
-    h, w = geo.size
-    return pil_to_tensor(img.crop((geo.left, geo.top, geo.left + w, geo.top + h)))
+    return pil_to_tensor(crop_image(img, config))
 
 
 def prepare_input(

@@ -9,17 +9,16 @@
     job = AttributionJob(method="aha", classifier="clf.safetensors", aha="runs/aha", frame="image")
     start_server(job, ServeSettings(name="shapes"), host="127.0.0.1", port=8000)  # POST .../v1/models/shapes:explain
 
-Each replica (:class:`ModelServer`) builds the classifier and the method once from an
-:class:`~attr_engine.jobs.AttributionJob` (the builders ``explain`` uses), cuts every image as ``explain`` does,
-batches concurrent requests' instances (``@serve.batch``) and computes a batch's logits and maps in one function
-(:func:`logits_and_maps`).
+Each replica (:class:`ModelServer`) is one HTTP front (routes, limits, instance checks, ``@serve.batch``, the
+answers' encoding, errors) over a back end built once: from an :class:`~attr_engine.jobs.AttributionJob`, the
+classifier and method in PyTorch (:func:`logits_and_maps` per batch); from an exported file
+(:func:`~attr_engine.artifact.read_artifact`), an onnxruntime session, numpy and PIL, with no torch imported.
 
-**Routes** (KServe V1; one model per server, ``<name>`` = :attr:`ServeSettings.name`; the README's "Serve over
-HTTP" has the shapes in full): ``POST /v1/models/<name>:explain`` -> ``{"explanations": [{"target",
-"probability", "height", "width", "map": {"shape", "dtype", "b64"}, "error"}]}``, one entry per instance, the map
-as raw little-endian bytes in the original image's frame (NaN where the centre crop cut) or, with
-``frame="model"``, the classifier's input size; ``POST /v1/models/<name>:predict`` -> ``{"predictions": [{"class",
-"probability", "name", "error"}]}``; ``GET /v1/models/<name>``, ``GET /v1/models`` and ``GET /`` for health.
+**Routes** (KServe V1, one model per server, ``<name>`` = :attr:`ServeSettings.name`; the README's "Serve over
+HTTP" has the shapes): ``POST /v1/models/<name>:explain`` -> ``{"explanations": [{"target", "probability",
+"height", "width", "map": {"shape", "dtype", "b64"}, "error"}]}``, the map as little-endian bytes in the image's
+frame (NaN where the centre crop cut) or, with ``frame="model"``, the input size; ``POST .../<name>:predict`` ->
+``{"predictions": [{"class", "probability", "name", "error"}]}``; ``GET /v1/models/<name>``, ``/v1/models``, ``/``.
 
 **Errors.** A request the server cannot take (not JSON, nested too deeply, no ``instances``, too many, too large,
 an unknown route or model) is answered 4xx with ``{"error": "<one line>"}``. A bad instance (a field missing or
@@ -27,7 +26,7 @@ unknown, a payload over :attr:`ServeSettings.max_image_bytes`, refused before de
 side under :attr:`ServeSettings.min_side` or more than :attr:`ServeSettings.max_pixels` pixels, read from the
 header, a target that is no class, a non-finite map) gets its ``error`` and the others still answer; when all
 failed, the request is answered with the first one's line: 4xx for a bad instance, 500 for the method's failure.
-Ray is imported by this module: ``import attr_engine`` never loads it (``pip install 'attr-engine[serve]'``).
+Ray is imported by this module (``pip install 'attr-engine[serve]'``), torch only by the PyTorch back end.
 """
 
 from __future__ import annotations
@@ -46,20 +45,20 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ray import serve
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from attr_engine.jobs import AttributionJob
-from attr_engine_kernels.validate import check_int_at_least
+from attr_engine.artifact import OUTPUT_NAMES, OnnxArtifact
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
     from attr_engine.classifier import Classifier
+    from attr_engine.jobs import AttributionJob
 
 __all__ = [
     "APP",
@@ -88,7 +87,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServeSettings:
-    """How a server answers and what it accepts; the job says what it computes.
+    """How a server answers and what it accepts; the job (or the exported file) says what it computes.
 
     Attributes:
         name: the model's name in the routes (``/v1/models/<name>:explain``).
@@ -102,8 +101,8 @@ class ServeSettings:
         max_instances: instances per request.
         max_pixels: an image at most this many pixels (width x height, from its header, before decompression:
             a decompression bomb is refused unread). ``min_side``: its shorter side at least this many pixels.
-        replicas: Ray Serve replicas, each with the model; ``threads``: CPUs (torch threads) per replica;
-            ``gpus``: GPUs per replica.
+        replicas: Ray Serve replicas, each with the model; ``threads``: CPUs (torch or onnxruntime threads) per
+            replica; ``gpus``: GPUs per replica.
     """
 
     name: str = "attr-engine"
@@ -120,6 +119,8 @@ class ServeSettings:
     gpus: float = 0.0
 
     def __post_init__(self) -> None:
+        from attr_engine_kernels.validate import check_int_at_least
+
         if not self.name or any(c in self.name for c in "/:?#% ") or not self.name.isprintable():
             raise ValueError(
                 f"name must be a non-empty name without '/', ':', '?', '#', '%' or spaces, got {self.name!r}"
@@ -165,7 +166,7 @@ def read_image(data: bytes, settings: ServeSettings) -> Any:
     """
     from PIL import Image
 
-    from attr_engine.imageops import decode_image
+    from attr_engine.pixels import decode_image
 
     try:
         # Image.open reads the header only: the size is known before a single pixel is decompressed.
@@ -281,10 +282,11 @@ def logits_and_maps(
 
 @dataclass
 class _Row:
-    """One checked instance in a batch: the classifier's input ``x (3, H, W)``, the image's ``(h, w)``, the target
-    (None: predicted) and whether its map is wanted (``:explain``) or its class alone (``:predict``)."""
+    """One checked instance in a batch: the model's input ``x (3, H, W)`` (a tensor for the PyTorch back end, a
+    float32 array for onnxruntime), the image's ``(h, w)``, the target (None: predicted) and whether its map is
+    wanted (``:explain``) or its class alone (``:predict``)."""
 
-    x: torch.Tensor
+    x: Any
     size: tuple[int, int]
     target: int | None
     explain: bool
@@ -298,34 +300,50 @@ class _Answer:
     error: str | None = None
 
 
+class _Backend(Protocol):
+    """What a replica computes with, behind the shared HTTP front: the model's class count and names, an image's
+    input, and a batch's answers."""
+
+    num_classes: int
+    names: dict[int, str]
+
+    def prepare(self, image: Any) -> tuple[Any, tuple[int, int]]:
+        """A decoded PIL image as the model's input ``x (3, H, W)``, and the image's ``(h, w)``."""
+        ...
+
+    def compute(self, rows: list[_Row]) -> list[_Answer]:
+        """One answer per row: its class and probability, and its map in the output frame where it is explained."""
+        ...
+
+
 class ModelServer:
-    """The Ray Serve deployment's class: one classifier and method per replica, answering the routes of the module
-    docstring. Built by :func:`build_app`.
+    """The Ray Serve deployment's class: the HTTP front of the module docstring over one compute back end per
+    replica. Built by :func:`build_app`.
 
     Args:
-        job: what to build and how to frame the maps (``job.frame``, ``job.preprocess``).
+        source: what to compute: an :class:`~attr_engine.jobs.AttributionJob` (the classifier and method in
+            PyTorch; ``job.frame``, ``job.preprocess``) or an :class:`~attr_engine.artifact.OnnxArtifact` (the
+            exported file in onnxruntime; nothing this replica imports for it loads torch).
         settings: the limits and batching (:class:`ServeSettings`).
     """
 
-    def __init__(self, job: AttributionJob, settings: ServeSettings) -> None:
-        import torch
-
-        from attr_engine.distributed import local_device
-        from attr_engine.imageops import data_config
-
-        torch.set_num_threads(settings.threads)
-        self.job, self.settings = job, settings
-        self.device = local_device(job.device)
-        self.classifier = job.load_classifier(self.device)
-        crop_pct = job.crop_pct if job.crop_pct is not None else (1.0 if job.classifier else None)
-        self.config = job.preprocess or data_config(self.classifier, img_size=job.img_size, crop_pct=crop_pct)
-        self.explainer = job.get_explainer(self.classifier)
-        self.names = class_names(job, self.classifier)
+    def __init__(self, source: AttributionJob | OnnxArtifact, settings: ServeSettings) -> None:
+        self.settings = settings
+        self.backend: _Backend
+        if isinstance(source, OnnxArtifact):
+            self.backend = _OnnxBackend(source, settings)
+        else:
+            self.backend = _EagerBackend(source, settings)
+        self.names = self.backend.names
         # The decorator's sizes are placeholders: these settings are known only now (Ray Serve's documented setters).
         batching = cast(Any, self._batch)
         batching.set_max_batch_size(settings.max_batch_size)
         batching.set_batch_wait_timeout_s(settings.batch_wait_s)
-        torch.manual_seed(job.seed)
+
+    def loaded_modules(self) -> list[str]:
+        """The top-level packages this replica's process has imported; called through a deployment handle (e.g.
+        to check that a replica serving an exported file runs without torch)."""
+        return sorted({name.partition(".")[0] for name in sys.modules})
 
     async def __call__(self, request: Request) -> JSONResponse:
         """Route one HTTP request; every failure becomes its response, never the replica's end."""
@@ -397,13 +415,11 @@ class ModelServer:
 
     def _rows(self, instances: Sequence[Any], explain: bool) -> list[_Row | InstanceError]:
         """Each instance as the classifier's input, or its error (runs in a worker thread: decoding is CPU work)."""
-        from attr_engine.imageops import prepare_input
-
         rows: list[_Row | InstanceError] = []
         for instance in instances:
             try:
-                data, target = _instance_fields(instance, self.settings, self.classifier.num_classes)
-                x, size, _ = prepare_input(read_image(data, self.settings), self.config)
+                data, target = _instance_fields(instance, self.settings, self.backend.num_classes)
+                x, size = self.backend.prepare(read_image(data, self.settings))
                 rows.append(_Row(x, size, target, explain))
             except InstanceError as err:
                 rows.append(err)
@@ -436,13 +452,48 @@ class ModelServer:
         """The rows of concurrent requests, computed together in a worker thread (the replica's event loop keeps
         taking requests meanwhile, which form the next batch)."""
         try:
-            return await asyncio.to_thread(self._compute, rows)
+            return await asyncio.to_thread(self.backend.compute, rows)
         except Exception as err:  # the whole batch failed (a bug, memory): each of its requests says so
             logger.exception("a batch of %d instances failed", len(rows))
             line = f"internal error: {type(err).__name__}: {' '.join(str(err).split())}"[:300]
             return [_Answer(None, None, error=line) for _ in rows]
 
-    def _compute(self, rows: list[_Row]) -> list[_Answer]:
+
+# ---------------------------------------------------------------------------------------------------------------
+# The back ends: PyTorch (any method) and onnxruntime (an exported AHA)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _EagerBackend:
+    """The classifier and method of a job in PyTorch, built once per replica as ``explain`` builds them: inputs cut
+    by :func:`~attr_engine.imageops.prepare_input`, a batch's logits and maps from :func:`logits_and_maps`, maps
+    drawn back by :func:`~attr_engine.imageops.to_image_frame`."""
+
+    def __init__(self, job: AttributionJob, settings: ServeSettings) -> None:
+        import torch
+
+        from attr_engine.distributed import local_device
+        from attr_engine.imageops import data_config
+
+        torch.set_num_threads(settings.threads)
+        self.job = job
+        self.device = local_device(job.device)
+        self.classifier = job.load_classifier(self.device)
+        crop_pct = job.crop_pct if job.crop_pct is not None else (1.0 if job.classifier else None)
+        self.config = job.preprocess or data_config(self.classifier, img_size=job.img_size, crop_pct=crop_pct)
+        self.explainer = job.get_explainer(self.classifier)
+        self.num_classes = self.classifier.num_classes
+        self.names = class_names(job, self.classifier)
+        torch.manual_seed(job.seed)
+
+    def prepare(self, image: Any) -> tuple[torch.Tensor, tuple[int, int]]:
+        """``x (3, H, W)`` as ``explain`` cuts it, and the image's ``(h, w)``."""
+        from attr_engine.imageops import prepare_input
+
+        x, size, _ = prepare_input(image, self.config)
+        return x, size
+
+    def compute(self, rows: list[_Row]) -> list[_Answer]:
         """Answers for ``rows``: predictions from the classifier alone, maps in groups of predicted and given
         targets (a fused explainer takes ``target=None`` for the predicted class)."""
         import torch
@@ -475,8 +526,8 @@ class ModelServer:
         """Row ``k`` of a group's result; its map in the output frame."""
         import torch
 
-        from attr_engine.explainer import NONFINITE_MAP
         from attr_engine.imageops import to_image_frame
+        from attr_engine.pixels import NONFINITE_MAP
 
         if maps is None:
             return _Answer(target, probability)
@@ -486,6 +537,53 @@ class ModelServer:
         if self.job.frame == "image":
             amap = to_image_frame(amap, row.size, self.config)
         return _Answer(target, probability, amap.contiguous().numpy())
+
+
+class _OnnxBackend:
+    """An exported AHA in onnxruntime, built once per replica: inputs cut by
+    :func:`~attr_engine.pixels.preprocess_array`, one run per batch for every row's logits and map (target -1: the
+    predicted class; a ``:predict`` row's map is computed and dropped, the file has no logits-only output), maps
+    drawn back by :func:`~attr_engine.pixels.image_frame_array`. Imports numpy, PIL and onnxruntime, never torch."""
+
+    def __init__(self, artifact: OnnxArtifact, settings: ServeSettings) -> None:
+        self.artifact = artifact
+        self.session = artifact.session(settings.threads, gpu=settings.gpus > 0)
+        self.num_classes = artifact.num_classes
+        self.names = dict(enumerate(artifact.names))
+
+    def prepare(self, image: Any) -> tuple[np.ndarray, tuple[int, int]]:
+        """``x (3, H, W)`` float32 in [0, 1] at the file's input size, and the image's ``(h, w)``."""
+        from attr_engine.pixels import preprocess_array
+
+        return preprocess_array(image, self.artifact.preprocess), (image.height, image.width)
+
+    def compute(self, rows: list[_Row]) -> list[_Answer]:
+        """The rows' answers from one run of the file: the class (the logits' argmax, or the given target), its
+        softmax probability, and for ``:explain`` the map in the output frame (a non-finite map: the row's
+        error)."""
+        import numpy as np
+
+        from attr_engine.pixels import NONFINITE_MAP, image_frame_array
+
+        x = np.stack([row.x for row in rows])
+        given = np.array([-1 if row.target is None else row.target for row in rows], dtype=np.int64)
+        logits, maps = self.session.run(list(OUTPUT_NAMES), {"images": x, "target": given})
+        scores = logits.astype(np.float64)
+        exp = np.exp(scores - scores.max(axis=1, keepdims=True))
+        probabilities = exp / exp.sum(axis=1, keepdims=True)
+        answers = []
+        for k, row in enumerate(rows):
+            target = int(scores[k].argmax()) if row.target is None else row.target
+            answer = _Answer(target, float(probabilities[k, target]))
+            if row.explain and not np.isfinite(maps[k]).all():
+                answer.error = NONFINITE_MAP
+            elif row.explain:
+                amap = maps[k].astype(np.float32)
+                if self.artifact.frame == "image":
+                    amap = image_frame_array(amap, row.size, self.artifact.preprocess)
+                answer.map = np.ascontiguousarray(amap)
+            answers.append(answer)
+        return answers
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -515,10 +613,10 @@ def class_names(job: AttributionJob, classifier: Classifier) -> dict[int, str]:
     return {}
 
 
-def build_app(job: AttributionJob, settings: ServeSettings) -> serve.Application:
-    """The Ray Serve application of ``job`` under ``settings``: :attr:`ServeSettings.replicas` replicas of
-    :class:`ModelServer`, each with ``threads`` CPUs and ``gpus`` GPUs; Ray Serve's own logs at WARNING, no access
-    log."""
+def build_app(source: AttributionJob | OnnxArtifact, settings: ServeSettings) -> serve.Application:
+    """The Ray Serve application of ``source`` (a job, or an exported file) under ``settings``:
+    :attr:`ServeSettings.replicas` replicas of :class:`ModelServer`, each with ``threads`` CPUs and ``gpus`` GPUs;
+    Ray Serve's own logs at WARNING, no access log."""
     deployment = serve.deployment(
         name="ModelServer",
         num_replicas=settings.replicas,
@@ -529,11 +627,11 @@ def build_app(job: AttributionJob, settings: ServeSettings) -> serve.Application
         # A replica that cannot build (a checkpoint changed since the command checked it) fails the start soon.
         max_constructor_retry_count=3,
     )(ModelServer)
-    return deployment.bind(job, settings)
+    return deployment.bind(source, settings)
 
 
 def start_server(
-    job: AttributionJob,
+    source: AttributionJob | OnnxArtifact,
     settings: ServeSettings,
     *,
     host: str = "127.0.0.1",
@@ -541,8 +639,9 @@ def start_server(
     verbose: bool = False,
     timeout: float = 300.0,
 ) -> str:
-    """Deploy ``job`` on the connected Ray cluster, listening on ``host:port``; returns the model's URL once it
-    answers its readiness route.
+    """Deploy ``source`` (an :class:`~attr_engine.jobs.AttributionJob`, or an exported file:
+    :func:`~attr_engine.artifact.read_artifact`) on the connected Ray cluster, listening on ``host:port``; returns
+    the model's URL once it answers its readiness route.
 
     Serve already running on the cluster keeps its own address: the server is then checked to answer at
     ``host:port`` and refused in one line otherwise. A replica that fails to build (a bad checkpoint) fails here
@@ -558,7 +657,7 @@ def start_server(
     quiet = {"log_level": "INFO" if verbose else "WARNING", "enable_access_log": verbose}
     serve.start(http_options={"host": host, "port": port}, logging_config=quiet)
     try:
-        serve.run(build_app(job, settings), name=APP, route_prefix="/", logging_config=quiet)
+        serve.run(build_app(source, settings), name=APP, route_prefix="/", logging_config=quiet)
     except (ray.exceptions.RayError, RuntimeError) as err:
         from attr_engine.ray import RemoteWorkerError
 

@@ -28,6 +28,7 @@ from attr_engine.aha import AHA
 from attr_engine.classifier import classifier_fingerprint
 from attr_engine.cli import main
 from attr_engine.explainer import get_explainer
+from attr_engine.pixels import DataConfig
 from tests.aha_helpers import tiny_aha
 from tests.conftest import ZOO
 from tests.eval_helpers import single_thread, untrained_resnet_checkpoint
@@ -104,6 +105,9 @@ def test_the_metadata_travels_in_the_file(exported) -> None:
     assert json.loads(meta["input_size"]) == [3, 32, 32]
     assert json.loads(meta["mean"]) == pytest.approx(clf.mean) and json.loads(meta["std"]) == pytest.approx(clf.std)
     assert meta["num_classes"] == "5" and meta["method"] == "aha"
+    from attr_engine.imageops import data_config
+
+    assert json.loads(meta["preprocess"]) == data_config(clf, img_size=32).to_dict()  # the crop a server cuts with
     assert re.fullmatch(r"[0-9a-f]{16}", meta["settings_digest"])
     assert json.loads(meta["settings"])["refine_steps"] == 0
     from attr_engine import __version__
@@ -135,6 +139,7 @@ def test_what_cannot_be_exported_is_refused_in_one_line(timm_cnn, timm_vit, tmp_
         (tiny_aha(timm_cnn), {"img_size": 0}, "one fixed integer side"),
         (tiny_aha(timm_cnn), {"format": "tflite"}, "format must be one of"),
         (tiny_aha(timm_cnn), {"class_names": ["a"]}, "1 names for 5 classes"),
+        (tiny_aha(timm_cnn), {"preprocess": DataConfig((16, 16))}, "preprocess crops (16, 16) images"),
     ]
     for explainer, kwargs, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)) as info:
@@ -201,12 +206,59 @@ def test_the_cli_export_writes_an_artifact_that_matches_explain(cli_artifact, ca
     assert json.loads(meta["class_names"])[5] == "class 5" and meta["classifier_name"] == "resnet10t"
 
 
+def test_a_server_reads_the_recorded_crop_and_an_older_file_gets_the_whole_side(cli_artifact, tmp_path) -> None:
+    """``attr-engine export`` of a checkpoint records the crop ``explain`` cuts it with (crop_pct 1.0); the reader
+    of ``serve --artifact`` takes it, ``crop_pct`` replaces it, a file without the record is cut with the whole
+    shorter side, and a damaged record is one line."""
+    import onnx
+
+    from attr_engine.artifact import read_artifact
+    from attr_engine.classifier import load_classifier
+    from attr_engine.imageops import data_config
+
+    checkpoint, _, out = cli_artifact
+    expected = data_config(load_classifier("resnet10t", checkpoint=checkpoint), img_size=32, crop_pct=1.0)
+    artifact = read_artifact(out)
+    assert artifact.preprocess == expected and artifact.num_classes == 6 and artifact.method == "aha"
+    assert artifact.names == tuple(f"class {i}" for i in range(6)) and artifact.frame == "image"
+    assert read_artifact(out, crop_pct=0.875, frame="model").preprocess.crop_pct == 0.875
+
+    def rewritten(name: str, key: str, value: str | None) -> Path:
+        proto = onnx.load(str(out))
+        props = {p.key: p.value for p in proto.metadata_props if p.key != key}
+        if value is not None:
+            props[key] = value
+        del proto.metadata_props[:]
+        for k, v in props.items():
+            proto.metadata_props.add(key=k, value=v)
+        onnx.save(proto, str(tmp_path / name))
+        return tmp_path / name
+
+    old = rewritten("old.onnx", "preprocess", None)
+    assert read_artifact(old).preprocess == DataConfig((32, 32), 1.0, "bicubic", "center")
+    assert read_artifact(old, crop_pct=0.9).preprocess == DataConfig((32, 32), 0.9)
+    damaged = [
+        ("preprocess", json.dumps({**expected.to_dict(), "input_size": [16, 16]}), "the recorded preprocess crops"),
+        ("preprocess", "{}", "a preprocessing record must hold"),
+        ("class_names", '["a"]', "class_names are not 6 names"),
+        ("num_classes", "many", "many"),
+        ("format", "other/1", "has no attr_engine.export/1 metadata"),
+    ]
+    for key, value, words in damaged:
+        with pytest.raises(ValueError, match=re.escape(words)) as info:
+            read_artifact(rewritten(f"{key}.onnx", key, value))
+        assert "\n" not in str(info.value) and str(tmp_path) in str(info.value)
+    with pytest.raises(ValueError, match=re.escape("crop_pct must be in (0, 1]")):
+        read_artifact(out, crop_pct=0.0)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
         (["--method", "saliency"], "saliency cannot be exported"),
         (["--refine-steps", "2"], "--refine-steps must be 0"),
         (["--img-size", "4"], "--img-size must be >= 8"),
+        (["--crop-pct", "0"], "--crop-pct must be in (0, 1], got 0.0"),
         (["--format", "pt2", "--img-size", "40", "--method", "grad-cam"], "grad-cam cannot be exported"),
     ],
 )

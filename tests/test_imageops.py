@@ -159,3 +159,83 @@ def test_decode_image_names_the_file_it_cannot_read(tmp_path):
         decode_image(f)  # a file object by its name
     with pytest.raises(ValueError, match="cannot read image"):
         decode_image(io.BytesIO(b"junk"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# attr_engine.pixels: the same pipeline without torch (a server of an exported file), against the torch oracle
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _modes(rgb: np.ndarray) -> dict[str, Image.Image]:
+    """One photo as decode_image returns it: RGB, and mode F (16-bit greyscale read into [0, 1])."""
+    grey = rgb.mean(axis=2).astype(np.float32) / 255
+    return {"RGB": Image.fromarray(rgb), "F": Image.fromarray(grey)}
+
+
+@pytest.mark.parametrize("size", [(61, 90), (90, 61), (32, 32), (20, 47)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        DataConfig((32, 32), 1.0, "bicubic"),
+        DataConfig((32, 32), 0.875, "bilinear"),
+        DataConfig((24, 40), 0.9, "bicubic", "squash"),
+        DataConfig((32, 32), 0.95, "nearest"),
+    ],
+    ids=["whole", "crop-bilinear", "squash", "nearest"],
+)
+def test_the_numpy_preprocessing_is_preprocess(size, config):
+    from attr_engine.pixels import preprocess_array
+
+    rgb = np.random.default_rng(3).integers(0, 256, (*size, 3), dtype=np.uint8)
+    for mode, img in _modes(rgb).items():
+        ours = preprocess_array(img, config)
+        oracle = preprocess(img, config).numpy()
+        assert ours.dtype == np.float32 and ours.shape == (3, *config.input_size), mode
+        np.testing.assert_array_equal(ours, oracle, err_msg=mode)
+
+
+@pytest.mark.parametrize("image_size", [(61, 90), (90, 61), (32, 32), (20, 47), (300, 33)])
+@pytest.mark.parametrize(
+    "config",
+    [DataConfig((32, 32), 1.0), DataConfig((32, 32), 0.875), DataConfig((24, 40), 0.9, crop_mode="squash")],
+    ids=["whole", "crop", "squash"],
+)
+def test_the_numpy_frame_mapping_is_to_image_frame(image_size, config):
+    """The same values at float32 rounding and the same NaN border, pixel for pixel, batched or not."""
+    from attr_engine.pixels import image_frame_array
+
+    maps = torch.randn(2, *config.input_size, generator=torch.Generator().manual_seed(5)) * 3
+    oracle = to_image_frame(maps, image_size, config).numpy()
+    ours = image_frame_array(maps.numpy(), image_size, config)
+    assert ours.dtype == np.float32 and ours.shape == (2, *image_size)
+    assert np.array_equal(np.isnan(ours), np.isnan(oracle))
+    assert np.isfinite(oracle).any()
+    np.testing.assert_allclose(ours, oracle, rtol=0, atol=1e-5)
+    single = image_frame_array(maps[1].numpy(), image_size, config)
+    np.testing.assert_array_equal(single, ours[1])
+    with pytest.raises(ValueError, match="amap must be"):
+        image_frame_array(np.zeros((8, 8), np.float32), image_size, config)
+
+
+def test_the_torch_free_pipeline_imports_no_torch_and_imageops_shares_its_geometry():
+    """One definition of the crop: imageops' names are pixels' own; pixels (and the artifact reader) import
+    without torch, which the subprocess blocks."""
+    import subprocess
+    import sys
+
+    from attr_engine import imageops, pixels
+
+    for name in ("DataConfig", "CropGeometry", "crop_geometry", "decode_image"):
+        assert getattr(imageops, name) is getattr(pixels, name), name
+    program = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import numpy as np; from PIL import Image\n"
+        "from attr_engine.pixels import DataConfig, decode_image, preprocess_array, image_frame_array\n"
+        "import attr_engine.artifact\n"
+        "config = DataConfig((16, 16), 0.9)\n"
+        "x = preprocess_array(Image.fromarray(np.zeros((20, 30, 3), np.uint8)), config)\n"
+        "print(x.shape, image_frame_array(x[0], (20, 30), config).shape)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["(3,", "16,", "16)", "(20,", "30)"]

@@ -170,6 +170,7 @@ FLOORS: dict[str, int] = {
         [
             "_optional",
             "_training",
+            "artifact",
             "checkpoint",
             "claims",
             "classifier",
@@ -178,6 +179,7 @@ FLOORS: dict[str, int] = {
             "distributed",
             "imageops",
             "model_sources",
+            "pixels",
             "tables",
             "visualize",
         ],

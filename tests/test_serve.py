@@ -1,11 +1,15 @@
 """`attr-engine serve` on a real Ray cluster: the command runs as its own process, joins a local two-CPU cluster the
-test starts, and answers real HTTP requests on 127.0.0.1 (httpx). Its maps equal `explain`'s (the local engine) for
-the same images and targets, for a gradient method and for AHA; :predict, the health routes, every kind of bad
-request (4xx, one line), and the replica is never restarted by any of them.
+test starts, and answers real HTTP requests on 127.0.0.1 (httpx). Three kinds of server run the same tests: the
+PyTorch replicas of a gradient method and of AHA, and `--artifact` replicas of that AHA exported to ONNX
+(onnxruntime, no torch in the replica). Their maps equal `explain`'s (the local engine) for the same images and
+targets; :predict, the health routes, every kind of bad request (4xx, one line), and the replica is never restarted
+by any of them.
 
-The wire dtype is float32 by default, so maps are compared at float32 rounding: a replica batches instances of
-concurrent requests together, and a convolution's gradient rounds differently in another batch composition (about
-1e-7 of the map's scale; a wrong image, target or frame differs by the map's whole scale).
+The wire dtype is float32 by default, so PyTorch maps are compared at float32 rounding: a replica batches instances
+of concurrent requests together, and a convolution's gradient rounds differently in another batch composition (about
+1e-7 of the map's scale; a wrong image, target or frame differs by the map's whole scale). The ONNX replica's maps
+are onnxruntime's kernels against PyTorch's: within 1e-4 of the standardised maps, as tests/test_export.py compares
+them (the AHA replica's maps are within float32 rounding of the same local maps, so the two kinds agree to 1e-4).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from attr_engine.checkpoint import load_safetensors  # noqa: E402
 from attr_engine.classifier import load_classifier  # noqa: E402
 from attr_engine.cli import main  # noqa: E402
 from attr_engine.imageops import data_config, decode_image, prepare_input  # noqa: E402
-from attr_engine.serve import InstanceError, ServeSettings, encode_map, logits_and_maps, read_image  # noqa: E402
+from attr_engine.serve import APP, InstanceError, ServeSettings, encode_map, logits_and_maps, read_image  # noqa: E402
 from tests.eval_helpers import single_thread, untrained_resnet_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,6 +52,9 @@ IMAGES = {"a.png": (40, 36, "RGB", "PNG"), "b.jpg": (33, 48, "RGB", "JPEG"), "c.
 LIMITS = ["--max-image-bytes", "30000", "--max-pixels", "20000", "--min-side", "8", "--max-instances", "8",
           "--max-request-bytes", "200000"]  # fmt: skip
 METHODS = {"gradient": ["--method", "gradient"], "aha": ["--method", "aha", "--aha", "{aha}"]}
+# The kinds of server: PyTorch replicas of each method, and onnxruntime replicas of the exported AHA ("onnx").
+KINDS = {"gradient": "gradient", "aha": "aha", "onnx": "aha"}  # kind -> the method its maps are explain's of
+ONNX_MAP_ATOL = 1e-4  # onnxruntime against PyTorch on standardised maps (tests/test_export.py)
 
 
 def _free_port() -> int:
@@ -134,13 +141,29 @@ def _replicas() -> list[str]:
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "SERVE_REPLICA" in a["name"])
 
 
-@pytest.fixture(scope="module", params=sorted(METHODS))
+@pytest.fixture(scope="module")
+def artifact(data) -> Path:
+    """The test's AHA exported to ONNX by `attr-engine export` (its crop and train.json's class names recorded)."""
+    pytest.importorskip("onnxruntime", reason="the export extra (onnxruntime) is not installed")
+    pytest.importorskip("onnxscript", reason="the export extra (onnxscript) is not installed")
+    out = data["root"] / "aha.onnx"
+    argv = ["export", "--classifier", str(data["checkpoint"]), "--aha", str(data["root"] / "aha"), "-o", str(out)]
+    assert main([*argv, "--device", "cpu"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
 def server(request, cluster, data):
     """`attr-engine serve` in its own process, joined to the test's cluster; stopped with Ctrl-C at the end, which
     must end it cleanly (exit status 0, no traceback)."""
-    method, (address, port) = request.param, cluster
-    args = [a.replace("{aha}", str(data["root"] / "aha")) for a in METHODS[method]]
-    command = [sys.executable, "-m", "attr_engine", "serve", "--classifier", str(data["checkpoint"]), *args,
+    kind, (address, port) = request.param, cluster
+    method = KINDS[kind]
+    if kind == "onnx":
+        model = ["--artifact", str(request.getfixturevalue("artifact"))]
+    else:
+        args = [a.replace("{aha}", str(data["root"] / "aha")) for a in METHODS[method]]
+        model = ["--classifier", str(data["checkpoint"]), *args]
+    command = [sys.executable, "-m", "attr_engine", "serve", *model,
                "--name", NAME, "--port", str(port), "--address", address, *LIMITS]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
@@ -151,7 +174,7 @@ def server(request, cluster, data):
         if not line:  # the command ended: its one line says why
             raise AssertionError(proc.stderr.read())
         assert line.startswith(f"serving {method} maps as {NAME!r} at {url}/v1/models/{NAME}"), line
-        yield {"method": method, "client": client, "replicas": _replicas(), "proc": proc, "url": url}
+        yield {"kind": kind, "method": method, "client": client, "replicas": _replicas(), "proc": proc, "url": url}
     finally:
         client.close()
         proc.send_signal(signal.SIGINT)
@@ -164,11 +187,20 @@ def _explain(client, instances: list[dict], verb: str = "explain") -> httpx.Resp
     return client.post(f"/v1/models/{NAME}:{verb}", json={"instances": instances})
 
 
-def _assert_close(served: np.ndarray, local: np.ndarray) -> None:
+def _assert_close(served: np.ndarray, local: np.ndarray, kind: str = "aha") -> None:
+    """A served map against `explain`'s: float32 rounding for a PyTorch replica, 1e-4 for onnxruntime's."""
     assert served.dtype == np.float32 and served.shape == local.shape
     assert np.array_equal(np.isnan(served), np.isnan(local)) and np.isnan(local).any()  # the crop's NaN border
     scale = float(np.nanmax(np.abs(local)))
-    np.testing.assert_allclose(served, local, rtol=1e-5, atol=1e-5 * scale)
+    if kind == "onnx":
+        np.testing.assert_allclose(served, local, rtol=0, atol=ONNX_MAP_ATOL)
+    else:
+        np.testing.assert_allclose(served, local, rtol=1e-5, atol=1e-5 * scale)
+
+
+def _probability_tolerance(kind: str) -> float:
+    """onnxruntime's logits differ from PyTorch's by float32 rounding over the layers: the probabilities too."""
+    return 1e-4 if kind == "onnx" else 1e-5
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -187,8 +219,9 @@ def test_explain_answers_the_local_engines_maps_targets_and_probabilities(server
             local_map, local_target = data["local"][server["method"], target][name]
             assert entry["error"] is None and entry["target"] == local_target
             assert (entry["height"], entry["width"]) == IMAGES[name][:2]
-            assert entry["probability"] == pytest.approx(float(data["probabilities"][name][local_target]), rel=1e-5)
-            _assert_close(_decode_map(entry), local_map)
+            probability = float(data["probabilities"][name][local_target])
+            assert entry["probability"] == pytest.approx(probability, rel=_probability_tolerance(server["kind"]))
+            _assert_close(_decode_map(entry), local_map, server["kind"])
 
 
 def test_concurrent_requests_are_batched_and_each_gets_its_own_map(server, data):
@@ -203,7 +236,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_map(server, data)
         (entry,) = answer.json()["explanations"]
         local_map, local_target = data["local"][server["method"], "pred" if target is None else "2"][name]
         assert entry["target"] == local_target
-        _assert_close(_decode_map(entry), local_map)
+        _assert_close(_decode_map(entry), local_map, server["kind"])
 
 
 def test_predict_answers_the_class_its_probability_and_name(server, data):
@@ -213,8 +246,10 @@ def test_predict_answers_the_class_its_probability_and_name(server, data):
     for name, entry in zip(IMAGES, answer.json()["predictions"], strict=True):
         predicted = int(data["probabilities"][name].argmax())
         assert entry["class"] == predicted == data["local"][server["method"], "pred"][name][1]
-        assert entry["probability"] == pytest.approx(float(data["probabilities"][name].max()), rel=1e-5)
-        assert entry["name"] == data["classes"][predicted] and entry["error"] is None  # from train.json
+        probability = float(data["probabilities"][name].max())
+        assert entry["probability"] == pytest.approx(probability, rel=_probability_tolerance(server["kind"]))
+        # From train.json: read by a PyTorch replica, recorded in the exported file's metadata by export.
+        assert entry["name"] == data["classes"][predicted] and entry["error"] is None
 
 
 def test_the_readme_example_runs_against_the_server(server, data, tmp_path, monkeypatch):
@@ -227,7 +262,7 @@ def test_the_readme_example_runs_against_the_server(server, data, tmp_path, monk
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(block.replace("http://127.0.0.1:8000/v1/models/shapes", f"{server['url']}/v1/models/{NAME}"), namespace)
-    _assert_close(namespace["amap"], data["local"][server["method"], "pred"]["b.jpg"][0])
+    _assert_close(namespace["amap"], data["local"][server["method"], "pred"]["b.jpg"][0], server["kind"])
 
 
 def test_health_routes(server):
@@ -345,7 +380,23 @@ def test_a_bad_instance_gets_its_error_and_the_others_still_answer(server, data)
     assert [e["error"] is None for e in entries] == [True, False, False, True]
     assert "base64" in entries[1]["error"] and "target 99" in entries[2]["error"] and entries[1]["map"] is None
     local_map, _ = data["local"][server["method"], "pred"]["b.jpg"]
-    _assert_close(_decode_map(entries[3]), local_map)
+    _assert_close(_decode_map(entries[3]), local_map, server["kind"])
+
+
+def test_a_replica_of_the_exported_file_never_imports_torch(server, data):
+    """After the request path has run (:explain with and without a target, :predict, a bad instance), the replica's
+    process is asked what it has imported: torch for a PyTorch replica (so the probe sees it), onnxruntime and
+    never torch for an ONNX one."""
+    instance = {"image": {"b64": _b64(data["images"]["c.png"])}, "target": None}
+    mixed = [instance, {**instance, "target": 2}, {"image": {"b64": "!!"}}]
+    assert _explain(server["client"], mixed).status_code == 200
+    assert _explain(server["client"], [instance], "predict").status_code == 200
+    modules = serve.get_app_handle(APP).loaded_modules.remote().result(timeout_s=60)
+    assert "starlette" in modules and "PIL" in modules
+    if server["kind"] == "onnx":
+        assert "onnxruntime" in modules and "torch" not in modules
+    else:
+        assert "torch" in modules
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -405,6 +456,82 @@ def test_an_image_is_checked_from_its_header_before_it_is_decoded():
     assert bomb.value.status == 413
     with pytest.raises(InstanceError, match="not a PNG"):
         read_image(_png(np.zeros((20, 20, 3), np.uint8), "BMP"), settings)  # a format PIL reads but we do not take
+
+
+def test_the_onnx_back_end_runs_where_torch_cannot_be_imported(artifact, data, tmp_path):
+    """A replica's side without Ray: the artifact and settings as Ray hands them over (pickled), unpickled in a
+    process where any import of torch fails, build the server, which reads and checks instances and computes their
+    rows (:explain with and without a target, :predict) in onnxruntime."""
+    import pickle
+
+    from attr_engine.artifact import read_artifact
+
+    settings = ServeSettings(max_pixels=20_000, min_side=8)
+    (tmp_path / "source.pkl").write_bytes(pickle.dumps((read_artifact(artifact), settings)))
+    (tmp_path / "b64.txt").write_text(_b64(data["images"]["b.jpg"]))
+    program = """
+import pickle, sys
+sys.modules["torch"] = None  # any import of torch fails
+import numpy as np
+from attr_engine.serve import ModelServer
+source, settings = pickle.loads(open("source.pkl", "rb").read())
+server = ModelServer(source, settings)
+instance = {"image": {"b64": open("b64.txt").read()}, "target": None}
+rows = server._rows([instance, {**instance, "target": 2}, {"image": {"b64": "!!"}}], True)
+rows += server._rows([instance], False)
+answers = server.backend.compute([rows[0], rows[1], rows[3]])
+np.save("maps.npy", np.stack([answers[0].map, answers[1].map]))
+print(str(rows[2]), [a.target for a in answers], answers[2].map is None, server.names[0])
+"""
+    done = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    local_pred, predicted = data["local"]["aha", "pred"]["b.jpg"]
+    assert done.stdout.split() == ["image.b64", "is", "not", "valid", "base64", f"[{predicted},", "2,",
+                                   f"{predicted}]", "True", "class-0"]  # fmt: skip
+    maps = np.load(tmp_path / "maps.npy")
+    _assert_close(maps[0], local_pred, "onnx")
+    _assert_close(maps[1], data["local"]["aha", "2"]["b.jpg"][0], "onnx")
+
+
+def _plain_onnx(path: Path) -> Path:
+    """A valid ONNX file that no attr-engine export wrote (an identity, no metadata)."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    tensor = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 3, 8, 8]) for n in ("images", "maps")]
+    graph = helper.make_graph([helper.make_node("Identity", ["images"], ["maps"])], "plain", [tensor[0]], [tensor[1]])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("missing", "--artifact {path}: no such file"),
+        ("not onnx", "--artifact {path} is not an ONNX file onnxruntime can load"),
+        ("no metadata", "--artifact {path} has no attr_engine.export/1 metadata"),
+        ("with --classifier", "drop --classifier"),
+        ("with --method and --aha", "drop --method, --aha"),
+        ("with --img-size", "drop --img-size"),
+        ("bad crop", "--crop-pct must be in (0, 1], got 1.5"),
+    ],
+)
+def test_the_command_refuses_a_bad_artifact_in_one_line(tmp_path, capsys, case, words):
+    pytest.importorskip("onnxruntime", reason="the export extra (onnxruntime) is not installed")
+    path = tmp_path / "aha.onnx"
+    if case == "not onnx":
+        path.write_text("not a model")
+    elif case == "no metadata":
+        _plain_onnx(path)
+    extra = {"with --classifier": ["--classifier", "clf.safetensors"], "with --img-size": ["--img-size", "32"],
+             "with --method and --aha": ["--method", "aha", "--aha", "runs/aha"],
+             "bad crop": ["--crop-pct", "1.5"]}.get(case, [])  # fmt: skip
+    assert main(["serve", "--artifact", str(path), "--port", str(_free_port()), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words.format(path=path) in err and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.parametrize(

@@ -34,8 +34,10 @@ from attr_engine._optional import optional_import
 from attr_engine.aha.config import AHAConfig
 from attr_engine.aha.loss import standardise
 from attr_engine.aha.network import Decoder, FeatureBackbone
+from attr_engine.artifact import EXPORT_FORMAT, INPUT_NAMES, OUTPUT_NAMES
 from attr_engine.checkpoint import atomic_write
 from attr_engine.classifier import Classifier, classifier_fingerprint, eval_mode
+from attr_engine.pixels import DataConfig
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -50,8 +52,6 @@ __all__ = [
 ]
 
 EXPORT_FORMATS: tuple[str, ...] = ("onnx", "pt2")
-INPUT_NAMES: tuple[str, ...] = ("images", "target")
-OUTPUT_NAMES: tuple[str, ...] = ("logits", "maps")
 _MISSING_ONNX = "exporting to ONNX needs onnx and onnxscript: pip install 'attr-engine[export]'"
 
 
@@ -108,12 +108,20 @@ def class_names(classifier: Classifier) -> list[str] | None:
     return None
 
 
-def export_metadata(explainer: Exportable, img_size: int, names: Sequence[str] | None = None) -> dict[str, str]:
+def export_metadata(
+    explainer: Exportable,
+    img_size: int,
+    names: Sequence[str] | None = None,
+    preprocess: DataConfig | None = None,
+) -> dict[str, str]:
     """The artifact's metadata, every value a string (ONNX ``metadata_props`` take only strings; lists and numbers
     are JSON): the format, attr-engine version, method, classifier fingerprint (as AHA checkpoints record it), input
-    size, mean / std, number of classes, class names (where known), the explainer's settings and their digest (a
-    hash of the resolved config and the decoder's weights), and the input / output contract."""
+    size, mean / std, number of classes, class names (where known), the crop that cuts an image to the input size
+    (``preprocess``, a :meth:`DataConfig.to_dict` record; default: :func:`~attr_engine.imageops.data_config` of the
+    classifier at ``img_size``), the explainer's settings and their digest (a hash of the resolved config and the
+    decoder's weights), and the input / output contract."""
     from attr_engine import __version__
+    from attr_engine.imageops import data_config
 
     clf = explainer.classifier
     settings = {"config": explainer.config.to_dict(), "steps_trained": explainer.steps_trained, "refine_steps": 0}
@@ -122,7 +130,7 @@ def export_metadata(explainer: Exportable, img_size: int, names: Sequence[str] |
         digest.update(name.encode())
         digest.update(value.detach().cpu().float().contiguous().numpy().tobytes())
     meta = {
-        "format": "attr_engine.export/1",
+        "format": EXPORT_FORMAT,
         "attr_engine_version": __version__,
         "method": "aha",
         "classifier_fingerprint": classifier_fingerprint(clf),
@@ -131,6 +139,7 @@ def export_metadata(explainer: Exportable, img_size: int, names: Sequence[str] |
         "mean": json.dumps(list(clf.mean)),
         "std": json.dumps(list(clf.std)),
         "num_classes": str(clf.num_classes),
+        "preprocess": json.dumps((preprocess or data_config(clf, img_size=img_size)).to_dict()),
         "settings": json.dumps(settings, sort_keys=True),
         "settings_digest": digest.hexdigest()[:16],
         "inputs": "images: (B, 3, H, W) float32 in [0, 1]; target: (B,) int64, -1 = the predicted class",
@@ -148,13 +157,16 @@ def check_exportable(
     path: str | os.PathLike[str],
     img_size: int | None = None,
     class_names: Sequence[str] | None = None,
+    preprocess: DataConfig | None = None,
 ) -> tuple[str, int]:
     """The format and input side :func:`export` would use for these arguments, or a one-line ValueError saying why
     the explainer cannot be exported so (another method, refinement, a size the classifier does not take, class
-    names of the wrong count, an unknown format)."""
+    names of the wrong count, a crop to another size, an unknown format)."""
     fmt = format or ("pt2" if Path(path).suffix == ".pt2" else "onnx")
     size = getattr(explainer, "img_size", None) if img_size is None else img_size
     _refuse(explainer, fmt, size, class_names)
+    if preprocess is not None and preprocess.input_size != (size, size):
+        raise ValueError(f"preprocess crops {preprocess.input_size} images; the artifact takes {size} x {size}")
     return fmt, size  # type: ignore[return-value]  # _refuse checked it is an int
 
 
@@ -206,6 +218,7 @@ def export(
     format: str | None = None,
     img_size: int | None = None,
     class_names: Sequence[str] | None = None,
+    preprocess: DataConfig | None = None,
 ) -> Path:
     """Write ``explainer`` and its classifier as a serving artifact at ``path`` (atomically) and return the path.
 
@@ -216,17 +229,20 @@ def export(
             C++ compile of the graph for this machine's CPU, or its GPU when the classifier is on one).
         img_size: the square input side the graph takes (default: the explainer's ``img_size``).
         class_names: one name per class for the metadata (default: the classifier's own, where known).
+        preprocess: the crop that cuts an image to the input size, recorded for a server to apply (default:
+            :func:`~attr_engine.imageops.data_config` of the classifier at ``img_size``; a ``train-classifier``
+            checkpoint is explained with ``crop_pct=1.0``, which ``attr-engine export`` records).
 
     Raises:
         ValueError: what cannot be exported (another method, refinement, a size the classifier does not take).
         ImportError: ONNX without the ``export`` extra installed.
     """
     target = Path(path)
-    fmt, size = check_exportable(explainer, format, target, img_size, class_names)
+    fmt, size = check_exportable(explainer, format, target, img_size, class_names, preprocess)
     if fmt == "onnx":
         optional_import("onnx", _MISSING_ONNX)
         optional_import("onnxscript", _MISSING_ONNX)
-    meta = export_metadata(explainer, size, class_names)
+    meta = export_metadata(explainer, size, class_names, preprocess)
     module = ServingModule(explainer)
     device = explainer.classifier.norm_mean.device
     # Batch 2 when tracing: a batch of 1 would let the tracer specialise every size-1 broadcast to the batch. Drawn

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from attr_engine.imageops import gaussian_blur, reference_image
 from attr_engine.pullback import SemanticPullback
 from attr_engine_kernels.region import blur_kernel_size
 from attr_engine_kernels.validate import check_int, check_int_at_least, check_positive, check_tensor
+
+if TYPE_CHECKING:
+    from attr_engine.pixels import DataConfig
 
 __all__ = ["AHA"]
 
@@ -275,7 +278,8 @@ class AHA(nn.Module, Explainer):
         cfg = self.config
         gen = _as_generator(generator if generator is not None else cfg.seed)
         fractions = torch.linspace(0, 1, cfg.refine_fractions, device=x.device)
-        # The grid may not exceed the short side of these images (kernels.region_pool): resolved clips the range.
+        # The grid may not exceed the short side of these images (attr_engine_kernels.region_pool): resolved clips
+        # the range.
         grid_range = cfg.resolved((x.shape[-2], x.shape[-1])).refine_grid_range
         assert grid_range is not None  # resolved fills it in
         with torch.no_grad():
@@ -442,6 +446,7 @@ class AHA(nn.Module, Explainer):
         format: str | None = None,
         img_size: int | None = None,
         class_names: Sequence[str] | None = None,
+        preprocess: DataConfig | None = None,
     ) -> Path:
         """Write this explainer and its classifier as one serving artifact at ``path`` (atomically).
 
@@ -449,12 +454,14 @@ class AHA(nn.Module, Explainer):
         AOTInductor ``.pt2`` package (``format="pt2"`` or a ``.pt2`` suffix): inputs ``images`` (B, 3, H, W) float32
         in [0, 1] and ``target`` (B,) int64 (-1: the predicted class), outputs ``logits`` (B, K) and ``maps``
         (B, H, W), the maps of :meth:`attribute`; one input size, any batch; metadata inside (classifier
-        fingerprint, input size, mean / std, class names where known, settings digest, attr-engine version). See
+        fingerprint, input size, mean / std, crop, class names where known, settings digest, attr-engine version). See
         :mod:`attr_engine.aha.export`.
 
         Args:
             img_size: the square side the artifact takes (default :attr:`img_size`).
             class_names: one name per class for the metadata (default: the classifier's, where it knows them).
+            preprocess: the crop a server applies to cut an image to the input size, recorded in the metadata
+                (default: :func:`~attr_engine.imageops.data_config` of the classifier at ``img_size``).
 
         Raises:
             ValueError: refinement (``refine_steps`` > 0: an optimiser per request has no graph), or a size the
@@ -463,7 +470,7 @@ class AHA(nn.Module, Explainer):
         """
         from attr_engine.aha.export import export
 
-        return export(self, path, format=format, img_size=img_size, class_names=class_names)
+        return export(self, path, format=format, img_size=img_size, class_names=class_names, preprocess=preprocess)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], classifier: Classifier, *, trust_backbone: bool = False) -> AHA:

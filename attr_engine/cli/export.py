@@ -41,7 +41,18 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
         "--format", choices=("onnx", "pt2"), help="artifact format (default: from the suffix of --output; else onnx)"
     )
     p.add_argument("--img-size", type=int, help="square input side of the artifact (default: the explainer's)")
-    p.add_argument("--class-names", metavar="FILE", help="JSON list of class names to record in the metadata")
+    p.add_argument(
+        "--class-names",
+        metavar="FILE",
+        help="JSON list of class names to record in the metadata (default: a --classifier checkpoint's train.json "
+        "classes, or a transformers model's labels, where known)",
+    )
+    p.add_argument(
+        "--crop-pct",
+        type=float,
+        help="the centre crop recorded for a server to cut images with, as explain takes it (default: timm's for "
+        "--model, 1.0 for a --classifier checkpoint)",
+    )
     add_device_arg(p)
     p.set_defaults(run=run_export)
     return {"export": p}
@@ -60,6 +71,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("export needs a trained explainer: pass --aha DIR (train-aha or demo output)")
     if args.img_size is not None and args.img_size < 8:
         raise UsageError(f"--img-size must be >= 8, got {args.img_size}")
+    if args.crop_pct is not None and not 0.0 < args.crop_pct <= 1.0:
+        raise UsageError(f"--crop-pct must be in (0, 1], got {args.crop_pct}")
     if Path(args.output).is_dir():
         raise UsageError(f"--output {args.output} is a directory; name the file to write")
 
@@ -89,13 +102,23 @@ def run_export(args: argparse.Namespace) -> int:
     explainer = get_explainer("aha", classifier, aha=args.aha)
     assert isinstance(explainer, AHA)  # the registry's "aha" is AHA
     names = _class_names(args.class_names)
+    if names is None and args.classifier is not None:
+        from attr_engine.classifier import checkpoint_class_names
+
+        names = list(checkpoint_class_names(args.classifier, classifier).values()) or None
     try:
         from attr_engine.aha.export import check_exportable
+        from attr_engine.imageops import data_config
 
-        check_exportable(explainer, args.format, args.output, args.img_size, names)
+        _, size = check_exportable(explainer, args.format, args.output, args.img_size, names)
+        # The crop explain and serve use for these flags, recorded so a server of the file cuts images alike.
+        crop_pct = args.crop_pct if args.crop_pct is not None else (1.0 if args.classifier else None)
+        config = data_config(classifier, img_size=size, crop_pct=crop_pct)
     except ValueError as err:
         raise UsageError(str(err)) from None
     work_started()
-    path = explainer.export(args.output, format=args.format, img_size=args.img_size, class_names=names)
+    path = explainer.export(
+        args.output, format=args.format, img_size=args.img_size, class_names=names, preprocess=config
+    )
     print(f"wrote {path}")
     return 0

@@ -4,7 +4,9 @@ The classifier and method are named as ``explain`` names them (``--classifier`` 
 ``--aha``, ``--option``) and are built here once before anything starts, so a bad flag, checkpoint or option ends
 with one line and exit status 2; then a Ray cluster is started (or joined with ``--address``), every replica builds
 the same classifier and method, and the command prints the model's URL and serves until Ctrl-C (or SIGTERM), when
-it removes the application and shuts down the cluster it started.
+it removes the application and shuts down the cluster it started. ``--artifact FILE.onnx`` serves an exported AHA
+instead (``attr-engine export``): the file is loaded once here in onnxruntime and its metadata checked, and the
+replicas run it in onnxruntime with no torch on their request path.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import os
 import signal
 import socket
@@ -54,6 +57,13 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
         "--aha, pullback (Pullback Ascent) without.",
     )
     p.add_argument("--aha", metavar="DIR", help="trained AHA checkpoint directory (train-aha or demo output)")
+    p.add_argument(
+        "--artifact",
+        metavar="FILE",
+        help="serve an ONNX file written by attr-engine export in onnxruntime, no PyTorch in the replicas; it holds "
+        "the classifier, the method and the input size, so --classifier, --model, --method, --aha, --option, "
+        "--refine-steps and --img-size are refused with it",
+    )
     p.add_argument("--refine-steps", type=int, default=0, help="AHA test-time refinement steps T (default 0)")
     p.add_argument("--option", action="append", metavar="KEY=VALUE", help="method option, e.g. n_masks=2000 for rise")
     p.add_argument("--img-size", type=int, help="input side (default: the classifier's, else 224)")
@@ -61,7 +71,7 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
         "--crop-pct",
         type=float,
         help="fraction of the resized image the centre crop keeps (default: timm's for --model, 1.0 for a "
-        "--classifier checkpoint)",
+        "--classifier checkpoint; with --artifact, the crop the file records, else 1.0)",
     )
     p.add_argument(
         "--model-frame", action="store_true", help="answer maps at the classifier's input size, not the image's frame"
@@ -153,18 +163,19 @@ def _settings(args: argparse.Namespace) -> Any:
 
 
 def _build(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The job and settings, checked: the classifier and method are built once here so a mistake is one line."""
-    import importlib.util
-
-    from attr_engine import jobs
-    from attr_engine.imageops import data_config
-
+    """The job (or the exported file) and settings, checked: the classifier and method are built once here, the file
+    loaded once, so a mistake is one line."""
     if importlib.util.find_spec("ray") is None or importlib.util.find_spec("starlette") is None:
         raise UsageError("serve needs Ray Serve: pip install 'attr-engine[serve]' (or 'ray[serve]')")
     if not (args.address or os.environ.get("RAY_ADDRESS")):
         # A local cluster's HTTP proxy listens here; a joined cluster's runs on its nodes (and may be listening).
         _check_port(args.host, args.port)
     settings = _settings(args)
+    if args.artifact is not None:
+        return _artifact(args), settings
+    from attr_engine import jobs
+    from attr_engine.imageops import data_config
+
     method = resolve_method(args.method or ("aha" if args.aha else "pullback"))
     options = parse_key_values(args.option, "--option")
     if args.img_size is not None and args.img_size < 1:
@@ -189,6 +200,30 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
 
     job = dataclasses.replace(job, preprocess=config, fingerprint=classifier_fingerprint(classifier))
     return job, settings
+
+
+def _artifact(args: argparse.Namespace) -> Any:
+    """The exported file of ``--artifact``, loaded once in onnxruntime and its metadata read; a flag that builds a
+    model, or a file that is missing, no ONNX or not attr-engine's export, is refused in one line."""
+    building = {"--classifier": args.classifier, "--model": args.model, "--method": args.method, "--aha": args.aha,
+                "--pretrained": args.pretrained or None, "--num-classes": args.num_classes, "--option": args.option,
+                "--refine-steps": args.refine_steps or None, "--img-size": args.img_size}  # fmt: skip
+    given = [flag for flag, value in building.items() if value is not None]
+    if given:
+        raise UsageError(
+            f"--artifact serves the exported file as it is (its classifier, method and input size): drop "
+            f"{', '.join(given)}"
+        )
+    if args.crop_pct is not None and not 0.0 < args.crop_pct <= 1.0:
+        raise UsageError(f"--crop-pct must be in (0, 1], got {args.crop_pct}")
+    if importlib.util.find_spec("onnxruntime") is None:
+        raise UsageError("--artifact needs onnxruntime: pip install 'attr-engine[export]'")
+    from attr_engine.artifact import read_artifact
+
+    try:
+        return read_artifact(args.artifact, crop_pct=args.crop_pct, frame="model" if args.model_frame else "image")
+    except ValueError as err:
+        raise UsageError(f"--artifact {err}") from None
 
 
 def _check_cluster(settings: Any, local: bool) -> None:
@@ -222,6 +257,7 @@ def _stop_on_sigterm() -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from attr_engine.artifact import OnnxArtifact
     from attr_engine.ray import ray_session
 
     job, settings = _build(args)
@@ -234,8 +270,9 @@ def run_serve(args: argparse.Namespace) -> int:
         _stop_on_sigterm()
         try:
             url = start_server(job, settings, host=args.host, port=args.port, verbose=args.verbose)
-            print(f"serving {job.method} maps as {settings.name!r} at {url} (POST {url}:explain, {url}:predict); "
-                  "Ctrl-C stops", flush=True)  # fmt: skip
+            source = f" from {job.path} (onnxruntime)" if isinstance(job, OnnxArtifact) else ""
+            print(f"serving {job.method} maps as {settings.name!r} at {url}{source} (POST {url}:explain, "
+                  f"{url}:predict); Ctrl-C stops", flush=True)  # fmt: skip
             while True:
                 time.sleep(3600)
         except KeyboardInterrupt:
