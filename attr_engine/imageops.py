@@ -22,6 +22,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from attr_engine.guards import check_crop_pct
 from kernels.validate import check_tensor
 
 if TYPE_CHECKING:
@@ -177,8 +178,7 @@ class DataConfig:
         h, w = self.input_size
         if min(h, w) < 1:
             raise ValueError(f"input_size must be positive, got {self.input_size}")
-        if not 0.0 < self.crop_pct <= 1.0:
-            raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+        check_crop_pct(self.crop_pct)
         if self.interpolation not in _INTERPOLATIONS:
             raise ValueError(f"interpolation must be one of {', '.join(_INTERPOLATIONS)}, got {self.interpolation!r}")
         if self.crop_mode not in _CROP_MODES:
