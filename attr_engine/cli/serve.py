@@ -30,6 +30,7 @@ from attr_engine.cli._common import (
     resolve_method,
     work_started,
 )
+from attr_engine.guards import check_aha_dir, check_count, check_crop_pct
 
 # attr_engine.serve's defaults, repeated so the parser can be built without importing Ray or torch.
 MAP_DTYPES = ("float32", "float16")
@@ -152,24 +153,33 @@ def _settings(args: argparse.Namespace) -> Any:
         raise UsageError(str(err).replace("_", "-").replace("batch-wait-s", "--batch-wait-ms / 1000")) from None
 
 
-def _build(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The job and settings, checked: the classifier and method are built once here so a mistake is one line."""
+def _check_args(args: argparse.Namespace) -> None:
+    """The flags and paths that need no model, checked before torch or Ray is imported."""
     import importlib.util
-
-    from attr_engine import jobs
-    from attr_engine.imageops import data_config
 
     if importlib.util.find_spec("ray") is None or importlib.util.find_spec("starlette") is None:
         raise UsageError("serve needs Ray Serve: pip install 'attr-engine[serve]' (or 'ray[serve]')")
+    if args.img_size is not None and args.img_size < 1:
+        raise UsageError(f"--img-size must be >= 1, got {args.img_size}")
+    check_count(args.refine_steps, "refine_steps", flag="--refine-steps")
+    if args.crop_pct is not None:
+        check_crop_pct(args.crop_pct, "--crop-pct")
+    if args.aha is not None:
+        check_aha_dir(args.aha, cli=True)
+    check_classifier_args(args)
+
+
+def _build(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The job and settings, checked: the classifier and method are built once here so a mistake is one line."""
+    from attr_engine import jobs
+    from attr_engine.imageops import data_config
+
     if not (args.address or os.environ.get("RAY_ADDRESS")):
         # A local cluster's HTTP proxy listens here; a joined cluster's runs on its nodes (and may be listening).
         _check_port(args.host, args.port)
     settings = _settings(args)
     method = resolve_method(args.method or ("aha" if args.aha else "pullback"))
     options = parse_key_values(args.option, "--option")
-    if args.img_size is not None and args.img_size < 1:
-        raise UsageError(f"--img-size must be >= 1, got {args.img_size}")
-    check_classifier_args(args)
     job = jobs.AttributionJob(
         method=method, classifier=args.classifier, model=args.model, pretrained=args.pretrained,
         num_classes=args.num_classes, img_size=args.img_size, aha=args.aha, refine_steps=args.refine_steps,
@@ -222,6 +232,7 @@ def _stop_on_sigterm() -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    _check_args(args)
     from attr_engine.ray import ray_session
 
     job, settings = _build(args)
