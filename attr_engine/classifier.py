@@ -24,6 +24,15 @@ import torch
 from torch import nn
 
 from attr_engine.checkpoint import check_state_shapes, load_safetensors, save_safetensors
+from attr_engine.guards import (
+    CLASSIFIER_FILE,
+    CLASSIFIER_FORMAT,
+    MAX_IMG_SIZE,
+    check_checkpoint_file,
+    check_model_name_path,
+    checkpoint_given_as_name,
+    not_a_classifier_hint,
+)
 from attr_engine.model_sources import (
     as_hf_adapter,
     build_torchvision,
@@ -60,7 +69,7 @@ __all__ = [
 ]
 
 # Marks a safetensors file written by save_classifier; its metadata can rebuild the architecture.
-_CHECKPOINT_FORMAT = "attr_engine.classifier/1"
+_CHECKPOINT_FORMAT = CLASSIFIER_FORMAT
 # Model kwargs a checkpoint may not set: timm reads files, caches or the network through these (checkpoint_path is
 # even unpickled with torch.load), and pretrained_cfg(_overlay) may name a file. Only the caller may pass them.
 # Matched on the name's last segment for paths (drop_path_rate is an ordinary architecture argument).
@@ -70,10 +79,8 @@ _UNSAFE_KWARG = re.compile(
 )
 
 
-# The largest input side a file may set. A CNN's weights do not depend on its input size, so nothing in the file can
-# confirm an img_size; without a bound, a crafted "img_size": "100000" makes every image a 100000 x 100000 tensor.
-# 4096 px is above any classifier's training size we know of; a caller passes a larger img_size itself.
-MAX_FILE_IMG_SIZE = 4096
+# The largest input side a file may set (guards.MAX_IMG_SIZE, which bounds --img-size too).
+MAX_FILE_IMG_SIZE = MAX_IMG_SIZE
 
 
 def file_int(value: Any, name: str, source: object, *, high: int | None = None) -> int:
@@ -274,7 +281,9 @@ class Classifier(nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
-            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+            raise ValueError(
+                f"model must be a torch.nn.Module, got {type(model).__name__}{not_a_classifier_hint(model)}"
+            )
         model = as_hf_adapter(model)  # a raw transformers image classifier: pixel_values in, an output object out
         cfg = getattr(model, "pretrained_cfg", None) or {}
         if mean is None:
@@ -490,12 +499,14 @@ def load_classifier(
     """Build a timm, torchvision or Hugging Face model by name and wrap it in a frozen :class:`Classifier`.
 
     Args:
-        name: the architecture; ``None`` reads it from ``checkpoint`` (a name that points outside a registry, see
-            :func:`is_external_name`, must then be confirmed by passing it). A timm model name
-            (``timm.list_models()``, optionally with a pretrained tag such as ``"resnet50.a1_in1k"``), an
-            ``"hf-hub:org/repo"`` / ``"local-dir:path"`` name timm resolves,
-            ``"torchvision:<builder>"`` (``"torchvision:resnet50"``) or ``"hf:<repo id or directory>"`` (a
-            transformers image classifier, the ``hf`` extra): see :mod:`attr_engine.model_sources`.
+        name: the architecture: a timm name (``timm.list_models()``, optionally with a pretrained tag such as
+            ``"resnet50.a1_in1k"``), timm's ``"hf-hub:org/repo"`` / ``"local-dir:path"``, ``"torchvision:<builder>"``
+            or ``"hf:<repo id or directory>"`` (transformers, the ``hf`` extra; see :mod:`attr_engine.model_sources`).
+            ``None`` reads it from ``checkpoint`` (a name outside a registry, :func:`is_external_name`, must then be
+            passed). A checkpoint file given here (a name ending in ``.safetensors`` or ``.pt``, or an existing file
+            named with its directory) loads as ``checkpoint=`` with ``name=None``: a :func:`save_classifier` file
+            records its architecture, size, kwargs and normalisation, so the file alone rebuilds the model, and no
+            registry name is such a path. One that records no architecture, or a directory, is refused in one line.
         pretrained: download the source's pretrained weights (needs network access on first use): timm's,
             torchvision's ``weights="DEFAULT"``, or transformers' ``from_pretrained`` (safetensors only).
         num_classes: number of logits; ``None`` keeps the model default (1000 for ImageNet models), or the value
@@ -508,16 +519,14 @@ def load_classifier(
             Not for ``hf:`` models, whose weights are a ``save_pretrained`` directory named as ``"hf:DIR"``.
         seed: seeds the build (torch's global generator is left as it was), so random weights are the same in
             every process that builds them; ``None``: the global generator as it is.
-        **model_kwargs: forwarded to ``timm.create_model`` (e.g. ``depth=4, embed_dim=96``), torchvision's builder
-            or transformers' ``from_pretrained`` / config.
+        **model_kwargs: forwarded to ``timm.create_model``, torchvision's builder or transformers' loader.
 
     Raises:
-        ValueError: unknown model name (with close matches), a checkpoint that is corrupt, was written for
-            another architecture or does not match it (naming the file), a build or download that fails (one line;
-            offline with the weights not cached says so).
-        FileNotFoundError: the checkpoint is missing.
-        ImportError: an ``hf:`` name without transformers installed.
+        ValueError: an unknown name (with close matches), a path where a name goes, a checkpoint that is corrupt or
+            does not match the architecture (naming the file), a build or download that fails (one line).
+        FileNotFoundError: the checkpoint is missing. ImportError: an ``hf:`` name without transformers.
     """
+    name, checkpoint = _name_and_checkpoint(name, checkpoint)
     if name is None:
         if checkpoint is None:
             raise ValueError("no classifier: pass a model name or checkpoint=PATH")
@@ -536,6 +545,32 @@ def load_classifier(
             raise load_error(name, pretrained, err) from None
 
 
+def _name_and_checkpoint(
+    name: Any, checkpoint: str | os.PathLike[str] | None
+) -> tuple[str | None, str | os.PathLike[str] | None]:
+    """:func:`load_classifier`'s ``name`` and ``checkpoint`` once a path given as the name is read as the
+    checkpoint; a model object, a directory or a misplaced file refused in one line (:mod:`attr_engine.guards`)."""
+    if isinstance(name, nn.Module):
+        raise ValueError(
+            f"load_classifier builds a model from its name, and this is a {type(name).__name__} already: use a "
+            "Classifier as it is, and wrap any other torch module with Classifier(model, mean, std)"
+        )
+    if name is not None and checkpoint_given_as_name(name):
+        if checkpoint is not None:
+            raise ValueError(
+                f"{name} is a checkpoint file given as the model name, beside checkpoint={checkpoint}: pass one file, "
+                "as checkpoint=PATH (with the model name if the file does not record it)"
+            )
+        name, checkpoint = None, name
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
+    if isinstance(name, str):
+        check_model_name_path(name)
+    if checkpoint is not None:
+        check_checkpoint_file(checkpoint)
+    return name, checkpoint
+
+
 def checkpoint_model_name(checkpoint: str | os.PathLike[str]) -> str:
     """The architecture a classifier checkpoint records (``save_classifier``'s ``model_name``).
 
@@ -547,19 +582,21 @@ def checkpoint_model_name(checkpoint: str | os.PathLike[str]) -> str:
     """
     from safetensors import SafetensorError, safe_open
 
-    path = Path(checkpoint)
-    if not path.is_file():
-        raise FileNotFoundError(f"classifier checkpoint not found: {path}")
+    path = check_checkpoint_file(checkpoint)
     try:
         with safe_open(str(path), framework="pt") as f:
             saved = (f.metadata() or {}).get("model_name")
     except (SafetensorError, OSError, RuntimeError) as err:
         raise ValueError(f"{path} is not a valid classifier checkpoint (safetensors): {err}") from None
     if saved is None:
-        raise ValueError(f"{path} does not record its architecture; name it with --model NAME")
+        raise ValueError(
+            f"{path} does not record its architecture: pass the model name with it, load_classifier(NAME, "
+            "checkpoint=PATH) (on the command line, --model NAME with --classifier)"
+        )
     if is_external_name(saved):
         raise ValueError(
-            f"{path} names the model {saved!r}, which is not in timm's registry; pass --model to confirm it"
+            f"{path} names the model {saved!r}, which is not in timm's registry; pass --model to confirm it "
+            "(in Python, load_classifier(NAME, checkpoint=PATH))"
         )
     return saved
 
@@ -763,7 +800,11 @@ def save_classifier(
     ``train_classifier``); kwargs must be JSON-serialisable.
     """
     if not isinstance(classifier, Classifier):
-        raise ValueError(f"classifier must be a Classifier, got {type(classifier).__name__}")
+        raise ValueError(
+            f"classifier must be a Classifier, got {type(classifier).__name__}{not_a_classifier_hint(classifier)}"
+        )
+    if Path(path).is_dir():
+        raise ValueError(f"{path} is a directory: name the checkpoint file, e.g. {Path(path) / CLASSIFIER_FILE}")
     name = model_name or classifier.model_name
     if name and split_source(name)[0] == "hf":
         raise ValueError(

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from attr_engine._training import collate_images_labels, warmup_cosine
 from attr_engine.classifier import Classifier, load_classifier
+from attr_engine.guards import SMALL_VIT_GRID, check_small_model_side
 from attr_engine_kernels.validate import check_int_at_least, check_positive
 
 __all__ = ["ModelConfig", "evaluate_accuracy", "small_model_config", "train_classifier"]
@@ -61,12 +62,11 @@ def small_model_config(kind: str = "vit", img_size: int = 64) -> ModelConfig:
         img_size: square input side; for ``"vit"`` a multiple of 8 and at least 32.
     """
     if kind == "vit":
-        if check_int_at_least(img_size, "img_size", 32) % 8:
-            raise ValueError(f"img_size for the small ViT must be a multiple of 8 and >= 32, got {img_size!r}")
-        kwargs = {"patch_size": img_size // 8, "depth": 4, "embed_dim": 96, "num_heads": 3}
+        check_small_model_side(img_size, kind)
+        kwargs = {"patch_size": img_size // SMALL_VIT_GRID, "depth": 4, "embed_dim": 96, "num_heads": 3}
         return ModelConfig("vit_tiny_patch16_224", img_size, kwargs)
     if kind == "resnet":
-        check_int_at_least(img_size, "img_size", 32)
+        check_small_model_side(img_size, kind)
         return ModelConfig("resnet10t", img_size, {"channels": [32, 64, 128, 256]})
     raise ValueError(f"kind must be 'vit' or 'resnet', got {kind!r}")
 

@@ -45,6 +45,7 @@ import torch
 from attr_engine.checkpoint import atomic_write
 from attr_engine.classifier import Classifier
 from attr_engine.explainer import Explainer, FunctionExplainer, get_explainer, reduce_channels, resolve_baselines
+from attr_engine.guards import not_a_classifier_hint
 from attr_engine.metrics import (
     deletion_insertion,
     energy_pointing_game,
@@ -505,7 +506,10 @@ def evaluate(
             without labels, bad data.
     """
     if not isinstance(classifier, Classifier):
-        raise ValueError(f"classifier must be an attr_engine Classifier, got {type(classifier).__name__}")
+        raise ValueError(
+            f"classifier must be an attr_engine Classifier, got {type(classifier).__name__}"
+            f"{not_a_classifier_hint(classifier)}"
+        )
     if target not in ("pred", "label"):
         raise ValueError(f"target must be 'pred' or 'label', got {target!r}")
     check_int_at_least(batch_size, "batch_size", 1)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from attr_engine.classifier import Classifier, check_device, eval_mode, input_dtype, resolve_targets
+from attr_engine.guards import not_a_classifier_hint
 from attr_engine.imageops import REFERENCES, resolve_reference
 from attr_engine.pixels import NONFINITE_MAP  # an image's error when its map is not finite
 from attr_engine_kernels.validate import check_tensor
@@ -428,7 +429,10 @@ class Explainer:
 
     def __init__(self, classifier: nn.Module, *, baselines: Any = None, **options: Any) -> None:
         if not isinstance(classifier, nn.Module):
-            raise ValueError(f"classifier must be a torch.nn.Module (a Classifier), got {type(classifier).__name__}")
+            raise ValueError(
+                f"classifier must be a torch.nn.Module (a Classifier), got {type(classifier).__name__}"
+                f"{not_a_classifier_hint(classifier)}"
+            )
         self.classifier = classifier
         if baselines is not None:
             if not self.takes_baselines:
@@ -476,7 +480,10 @@ class Explainer:
         if classifier is self.classifier:
             return self
         if not isinstance(classifier, nn.Module):
-            raise ValueError(f"classifier must be a torch.nn.Module, got {type(classifier).__name__}")
+            raise ValueError(
+                f"classifier must be a torch.nn.Module, got {type(classifier).__name__}"
+                f"{not_a_classifier_hint(classifier)}"
+            )
         new = copy.copy(self)
         new.classifier = classifier
         new.defaults = dict(self.defaults)
@@ -762,7 +769,8 @@ def finite_maps(maps: torch.Tensor) -> list[bool]:
 
 def _canonical(name: str) -> str:
     if not isinstance(name, str):
-        raise ValueError(f"explainer name must be a string, got {type(name).__name__}")
+        swapped = " (get_explainer(name, classifier): arguments swapped?)" if isinstance(name, nn.Module) else ""
+        raise ValueError(f"explainer name must be a string, got {type(name).__name__}{swapped}")
     key = name.strip().lower().replace("_", "-").replace(" ", "-")
     return _ALIASES.get(key, key)
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from attr_engine._optional import optional_import
+from attr_engine.guards import HF_PREFIX, TORCHVISION_PREFIX, split_source
 
 __all__ = [
     "HF_PREFIX",
@@ -52,27 +53,11 @@ __all__ = [
     "torchvision_names",
 ]
 
-TORCHVISION_PREFIX = "torchvision:"
-HF_PREFIX = "hf:"
+# TORCHVISION_PREFIX, HF_PREFIX and split_source live in attr_engine.guards (a name is read there without torch).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # PIL resampling codes (what an HF image processor's ``resample`` holds) -> timm's interpolation names.
 _PIL_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}
-
-
-def split_source(name: str) -> tuple[str, str]:
-    """``("torchvision", builder)``, ``("hf", repo id or directory)`` or ``("timm", name)`` for a model name.
-
-    Raises:
-        ValueError: a torchvision / hf prefix with nothing after it.
-    """
-    for source, prefix in (("torchvision", TORCHVISION_PREFIX), ("hf", HF_PREFIX)):
-        if name.lower().startswith(prefix):
-            ident = name[len(prefix) :].strip()
-            if not ident:
-                raise ValueError(f"model name {name!r} names no model after {prefix!r}")
-            return source, ident
-    return "timm", name
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
+from attr_engine.guards import check_crop_pct
+
 if TYPE_CHECKING:
     import numpy as np
     from PIL import Image
@@ -65,8 +67,7 @@ class DataConfig:
         h, w = self.input_size
         if min(h, w) < 1:
             raise ValueError(f"input_size must be positive, got {self.input_size}")
-        if not 0.0 < self.crop_pct <= 1.0:
-            raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+        check_crop_pct(self.crop_pct)
         if self.interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got {self.interpolation!r}")
         if self.crop_mode not in CROP_MODES:

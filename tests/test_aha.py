@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import tempfile
 from pathlib import Path
@@ -524,6 +525,36 @@ def test_save_load_round_trip_and_mismatch(tmp_path):
     (tmp_path / "explainer.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="not a valid safetensors file"):
         AHA.load(tmp_path, clf)
+
+
+def test_a_file_or_a_classifier_where_an_aha_checkpoint_goes_is_named(tmp_path):
+    """AHA.load takes a directory and a loaded Classifier: its weights file, a classifier's checkpoint or folder,
+    swapped arguments or a model name each get one line saying what to pass instead."""
+    from attr_engine import get_explainer
+    from attr_engine.classifier import save_classifier
+
+    clf = colour_classifier()
+    AHA(clf, AHAConfig(**FAST)).save(tmp_path / "aha")
+    (tmp_path / "clf").mkdir()
+    save_classifier(clf, tmp_path / "clf" / "classifier.safetensors")
+    weights = tmp_path / "aha" / "explainer.safetensors"
+    directory = re.escape(f"AHA.load('{tmp_path / 'aha'}', classifier)")
+    with pytest.raises(ValueError, match=rf"is a file: an AHA checkpoint is the directory that holds it, {directory}"):
+        AHA.load(weights, clf)
+    with pytest.raises(ValueError, match=r"is a file: an AHA checkpoint is the directory"):
+        get_explainer("aha", clf, aha=weights)  # one line, not wrapped in a second "no AHA checkpoint in"
+    with pytest.raises(ValueError, match=r"is a classifier checkpoint, not an AHA one: pass it as load_classifier"):
+        AHA.load(tmp_path / "clf" / "classifier.safetensors", clf)
+    with pytest.raises(ValueError, match=r"holds a classifier \(classifier\.safetensors\), not an AHA checkpoint"):
+        AHA.load(tmp_path / "clf", clf)
+    with pytest.raises(ValueError, match="takes the checkpoint directory first, got a Classifier"):
+        AHA.load(clf, tmp_path / "aha")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"got str; build the classifier first: load_classifier\('resnet18'\)"):
+        AHA.load(tmp_path / "aha", "resnet18")  # type: ignore[arg-type]
+    with pytest.raises(FileNotFoundError, match="AHA checkpoint directory not found"):
+        AHA.load(tmp_path / "missing", clf)
+    with pytest.raises(ValueError, match=r"classifier\.safetensors is a file: an AHA checkpoint is a directory"):
+        AHA(clf, AHAConfig(**FAST)).save(tmp_path / "clf" / "classifier.safetensors")
 
 
 def test_image_dim_sets_the_full_resolution_width_and_round_trips(tmp_path):

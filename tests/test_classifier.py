@@ -1,5 +1,6 @@
 """Classifier adapter: normalisation, freezing, input checks; load_classifier / save_classifier over timm models."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,80 @@ def test_save_classifier_rejects_unserialisable_kwargs(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="JSON"):
         save_classifier(clf, tmp_path / "x.safetensors", model_kwargs={"act": nn.ReLU})
     assert not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A path, a name or an object given where another goes: read as meant, or one line saying what to pass instead
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _saved(tmp_path: Path) -> tuple[Classifier, Path]:
+    """A tiny ResNet saved as train-classifier writes it (OUT/classifier.safetensors)."""
+    name, kwargs = TINY["resnet"]
+    clf = load_classifier(name, num_classes=3, img_size=32, seed=0, **kwargs)
+    (tmp_path / "clf").mkdir()
+    path = tmp_path / "clf" / "classifier.safetensors"
+    save_classifier(clf, path)
+    return clf, path
+
+
+def test_a_checkpoint_path_given_as_the_name_loads_as_the_checkpoint(tmp_path: Path) -> None:
+    """The file records its architecture, sizes, kwargs and normalisation: the path alone rebuilds the model."""
+    clf, path = _saved(tmp_path)
+    x = torch.rand(2, 3, 32, 32)
+    for given in (str(path), path):
+        restored = load_classifier(given)
+        assert restored.model_name == "resnet10t" and restored.input_size == (3, 32, 32)
+        torch.testing.assert_close(restored(x), clf(x), rtol=0, atol=0)
+    with pytest.raises(FileNotFoundError, match=r"classifier checkpoint not found: runs/clf/classifier\.safetensors"):
+        load_classifier("runs/clf/classifier.safetensors")
+    with pytest.raises(ValueError, match="beside checkpoint="):
+        load_classifier(str(path), checkpoint=path)
+
+
+def test_a_checkpoint_path_without_its_architecture_says_to_pass_the_name(tmp_path: Path) -> None:
+    _, path = _saved(tmp_path)
+    bare = tmp_path / "bare.safetensors"
+    save_safetensors(load_safetensors(path)[0], bare)
+    say = r"does not record its architecture: .* load_classifier\(NAME, checkpoint=PATH\)"
+    with pytest.raises(ValueError, match=say):
+        load_classifier(str(bare))
+
+
+def test_a_directory_or_an_explainer_where_a_classifier_goes_is_named(tmp_path: Path) -> None:
+    from attr_engine.aha import AHA, AHAConfig
+
+    clf, path = _saved(tmp_path)
+    AHA(clf, AHAConfig(decoder_dim=8, class_dim=4)).save(tmp_path / "aha")
+    folder = re.escape(str(tmp_path / "clf"))
+    in_it = re.escape(f"pass the classifier checkpoint in it, load_classifier(checkpoint='{path}')")
+    with pytest.raises(ValueError, match=rf"load_classifier takes a model name, but {folder} is a directory: {in_it}"):
+        load_classifier(str(tmp_path / "clf"))
+    with pytest.raises(ValueError, match=rf"^{folder} is a directory: {in_it}"):
+        load_classifier("resnet10t", checkpoint=tmp_path / "clf")
+    with pytest.raises(ValueError, match=r"is an AHA checkpoint directory .*AHA\.load\("):
+        load_classifier(str(tmp_path / "aha"))
+    with pytest.raises(ValueError, match=r"is an AHA checkpoint directory .*AHA\.load\("):
+        load_classifier(checkpoint=tmp_path / "aha")
+    with pytest.raises(ValueError, match=r"explainer\.safetensors is an AHA explainer's weights, not a classifier"):
+        load_classifier(checkpoint=tmp_path / "aha" / "explainer.safetensors")
+    name_it = rf"{folder} is a directory: name the checkpoint file, e\.g\. {re.escape(str(path))}"
+    with pytest.raises(ValueError, match=name_it):
+        save_classifier(clf, tmp_path / "clf")
+
+
+def test_a_model_object_given_as_the_name_is_named() -> None:
+    clf = Classifier(ChannelMean(), MEAN, STD)
+    with pytest.raises(ValueError, match="this is a Classifier already: use a Classifier as it is"):
+        load_classifier(clf)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"got str; build the classifier first: load_classifier\('resnet18'\)"):
+        Classifier("resnet18", MEAN, STD)  # type: ignore[arg-type]
+
+
+def test_an_hf_name_that_is_a_missing_folder_or_a_file_is_named(tmp_path: Path) -> None:
+    """transformers would report a missing folder as a malformed hub repo id, and a file as broken JSON."""
+    _, path = _saved(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"hf:\./nope: no such directory"):
+        load_classifier("hf:./nope")
+    with pytest.raises(ValueError, match=r"is a classifier checkpoint, not a transformers directory"):
+        load_classifier(f"hf:{path}")

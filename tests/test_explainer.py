@@ -302,3 +302,25 @@ def test_a_broken_plugin_names_itself(clean_registry, tmp_path, monkeypatch, cap
     with pytest.warns(UserWarning, match="broken-method"):  # filtering by model loads plugins; a broken one is skipped
         monkeypatch.setattr(registry, "_plugins", None)
         assert "broken-method" not in list_explainers(tiny_convnet())
+
+
+def test_a_name_or_path_where_a_loaded_classifier_goes_says_to_load_it_first(tmp_path: Path) -> None:
+    """Methods, metrics and the leaderboard take a loaded Classifier: a model name or a checkpoint path given in
+    its place names the load_classifier call that builds one; swapped arguments are named as such."""
+    from attr_engine.evaluate import evaluate
+    from attr_engine.metrics import deletion_insertion
+
+    clf = tiny_convnet()
+    checkpoint = untrained_resnet_checkpoint(tmp_path)
+    x = torch.rand(2, 3, 16, 16)
+    build = r"got str; build the classifier first: load_classifier\('resnet18'\)"
+    with pytest.raises(ValueError, match=build):
+        get_explainer("gradient", "resnet18")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"got str; load the classifier first: load_classifier\(checkpoint="):
+        get_explainer("gradient", str(checkpoint))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"arguments swapped\?"):
+        get_explainer(clf, "gradient")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=build):
+        evaluate("resnet18", {"gradient": "gradient"}, (x, torch.zeros(2, dtype=torch.long)), ["deletion"])
+    with pytest.raises(ValueError, match=build):
+        deletion_insertion("resnet18", x, torch.rand(2, 16, 16), 0)  # type: ignore[arg-type]

@@ -234,6 +234,69 @@ def test_option_ranges_are_checked_when_the_method_is_built():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 3. A path where a name goes, a file where a folder goes, and the reverse: one line naming the flag to use
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def aha_dir(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from attr_engine.classifier import load_classifier
+    from tests.aha_helpers import tiny_aha
+
+    root = tmp_path_factory.mktemp("aha")
+    tiny_aha(load_classifier(checkpoint=checkpoint)).save(root)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["explain", "{images}", "--model", "{ckpt}"], "--model takes a model name, but {ckpt} is a checkpoint "
+         "file: pass it as --classifier {ckpt}"),
+        (["explain", "{images}", "--model", "{clf_dir}"], "--model takes a model name, but {clf_dir} is a directory: "
+         "pass the classifier checkpoint in it, --classifier {ckpt}"),
+        (["explain", "{images}", "--classifier", "{clf_dir}"], "--classifier {clf_dir} is a directory: pass the "
+         "classifier checkpoint in it, --classifier {ckpt}"),
+        (["explain", "{images}", "--classifier", "{aha}"], "--classifier {aha} is an AHA checkpoint directory (an "
+         "explainer, not a classifier): pass it as --aha {aha}"),
+        (["explain", "{images}", "--classifier", "{aha}/explainer.safetensors"], "is an AHA explainer's weights, not "
+         "a classifier checkpoint: pass their directory as --aha {aha}"),
+        (["explain", "{images}", "--classifier", "resnet18"], "classifier checkpoint not found: resnet18 (a model "
+         "name goes to --model resnet18)"),
+        (["explain", "{images}", "--classifier", "{ckpt}", "--method", "aha", "--aha", "{aha}/explainer.safetensors"],
+         "--aha {aha}/explainer.safetensors is a file: an AHA checkpoint is the directory that holds it, --aha {aha}"),
+        (["explain", "{images}", "--classifier", "{ckpt}", "--method", "aha", "--aha", "{ckpt}"], "--aha {ckpt} is a "
+         "classifier checkpoint, not an AHA one: pass it as --classifier {ckpt}"),
+        (["explain", "{images}", "--classifier", "{ckpt}", "--method", "aha", "--aha", "{clf_dir}"], "--aha {clf_dir} "
+         "holds a classifier (classifier.safetensors), not an AHA checkpoint"),
+        (["explain", "{images}", "--model", "hf:./no-such-folder"], "hf:./no-such-folder: no such directory"),
+        (["explain", "{images}", "--model", "hf:{ckpt}"], "is a classifier checkpoint, not a transformers directory: "
+         "pass it as --classifier {ckpt}"),
+        (["evaluate", "--classifier", "{ckpt}", "--data", "{images}/a.png"], "--data {images}/a.png is a file; pass "
+         "the ImageFolder directory"),
+        (["train-aha", "--classifier", "{ckpt}", "--data", "{images}/a.png", "--out", "{out}"], "--data "
+         "{images}/a.png is a file"),
+        (["train-classifier", "--model", "resnet18", "--init", "{clf_dir}", "--out", "{out}"], "--init {clf_dir} is a "
+         "directory: pass the classifier checkpoint in it, --init {ckpt}"),
+        (["train-classifier", "--model", "{ckpt}", "--out", "{out}"], "--model takes a model name, but {ckpt} is a "
+         "checkpoint file: pass it as --init {ckpt}"),
+        (["export", "--classifier", "{ckpt}", "--aha", "{aha}/explainer.safetensors", "-o", "{out}/x.onnx"], "--aha "
+         "{aha}/explainer.safetensors is a file: an AHA checkpoint is the directory that holds it, --aha {aha}"),
+        (["export", "--classifier", "{ckpt}", "--aha", "{aha}", "-o", "{out}/x.onnx", "--class-names", "{images}"],
+         "--class-names {images} is a directory; pass the JSON file of class names"),
+    ],
+)  # fmt: skip
+def test_a_path_of_the_wrong_kind_names_the_flag_it_goes_to(checkpoint, aha_dir, images, tmp_path, capsys, argv,
+                                                            message):  # fmt: skip
+    """A checkpoint given as --model failed inside timm with advice about Hugging Face Hub prefixes; a folder given
+    as --classifier was "not found"; an AHA weights file as --aha was "directory not found"."""
+    where = {"ckpt": checkpoint, "clf_dir": checkpoint.parent, "aha": aha_dir, "images": images, "out": tmp_path}
+    args = [arg.format(**where) for arg in argv]
+    assert main(["--threads", "1", *args]) == 2
+    assert message.format(**where) in _error_line(capsys)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # 4. Offline hub names
 # ---------------------------------------------------------------------------------------------------------------
 

@@ -177,6 +177,7 @@ FLOORS: dict[str, int] = {
             "classifier_training",
             "data",
             "distributed",
+            "guards",
             "imageops",
             "model_sources",
             "pixels",
@@ -298,3 +299,12 @@ def test_the_checkers_see_what_they_forbid(tmp_path) -> None:
     assert upward_imports(tmp_path) == [
         "attr_engine.baselines.mda (floor 3) imports attr_engine.evaluate (floor 4)",
     ]
+
+
+def test_the_guards_import_only_the_standard_library() -> None:
+    """attr_engine.guards holds the checks a command runs before torch is imported: it may import nothing else."""
+    import sys
+
+    path = REPO / "attr_engine" / "guards.py"
+    imported = {name.split(".")[0] for name, _ in _imported_names("attr_engine.guards", path)}
+    assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported

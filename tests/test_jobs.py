@@ -207,3 +207,31 @@ def test_explain_takes_an_engine_object_and_reports_progress(checkpoint, tmp_pat
     start = time.perf_counter()
     assert len(jobs.explain(job, src, tmp_path / "maps").already) == 2
     assert time.perf_counter() - start < 60
+
+
+def test_a_job_names_a_folder_or_an_explainer_given_where_a_file_goes(checkpoint, tmp_path):
+    """A job is checked where it is defined: the classifier checkpoint's folder, an AHA checkpoint in its place or
+    its weights file given for the AHA directory each get one line saying what to pass; the CLI's bounds hold."""
+    folder = re.escape(str(checkpoint.parent))
+    with pytest.raises(ValueError, match=rf"{folder} is a directory: pass the classifier checkpoint in it"):
+        jobs.AttributionJob(method="gradient", classifier=str(checkpoint.parent))
+    with pytest.raises(ValueError, match=r"is a classifier checkpoint, not an AHA one"):
+        jobs.AttributionJob(method="aha", classifier=str(checkpoint), aha=str(checkpoint))
+    with pytest.raises(ValueError, match=r"num_classes must be between 1 and 100,000, got 10,000,000"):
+        jobs.AttributionJob(method="gradient", model="resnet18", num_classes=10**7)
+    with pytest.raises(ValueError, match=r"img_size must be between 1 and 4096 px"):
+        jobs.AttributionJob(method="gradient", classifier=str(checkpoint), img_size=100_000)
+
+
+def test_defining_a_job_imports_no_torch():
+    """What the package says of itself: a job is plain values, checked without torch."""
+    code = (
+        "import sys\n"
+        "from attr_engine import jobs\n"
+        "jobs.AttributionJob(method='gradient', model='resnet18')\n"
+        "print(sorted(m for m in ('torch', 'timm', 'kernels') if m in sys.modules))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

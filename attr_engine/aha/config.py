@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from attr_engine.guards import check_count
 from attr_engine.imageops import REFERENCES
 from attr_engine.pullback import PULLBACK_METHODS
 from attr_engine_kernels.validate import check_bool, check_int, check_int_at_least, check_non_negative, check_positive
@@ -190,10 +191,10 @@ class AHAConfig:
         if self.pullback_skip and not self.pullback_input:
             raise ValueError("pullback_skip adds the pullback input's channel to the map: set pullback_input=True")
         check_int_at_least(self.n_iters, "n_iters", 1)
-        check_int_at_least(self.n_fractions, "n_fractions", 2)  # a curve needs two points
+        check_count(self.n_fractions, "n_fractions")  # a curve needs two points
         check_int_at_least(self.refine_fractions, "refine_fractions", 2)
-        check_int_at_least(self.val_every, "val_every", 1)
-        check_int_at_least(self.patience, "patience", 1)
+        check_count(self.val_every, "val_every")
+        check_count(self.patience, "patience")
         # One interval has only the two ends, which do not depend on the map: the score could never change.
         check_int_at_least(self.val_fractions, "val_fractions", 2)
         put("min_delta", check_non_negative(self.min_delta, "min_delta"))

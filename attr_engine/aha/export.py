@@ -37,6 +37,7 @@ from attr_engine.aha.network import Decoder, FeatureBackbone
 from attr_engine.artifact import EXPORT_FORMAT, INPUT_NAMES, OUTPUT_NAMES
 from attr_engine.checkpoint import atomic_write
 from attr_engine.classifier import Classifier, classifier_fingerprint, eval_mode
+from attr_engine.guards import check_export_side
 from attr_engine.pixels import DataConfig
 
 __all__ = [
@@ -189,10 +190,7 @@ def _refuse(explainer: Exportable, fmt: str, img_size: Any, names: Sequence[str]
             "refine_steps > 0 cannot be exported: refinement runs an optimiser per request; export the one-pass "
             "explainer (refine_steps=0)"
         )
-    if isinstance(img_size, bool) or not isinstance(img_size, int) or img_size < 8:
-        raise ValueError(
-            f"img_size must be one fixed integer side >= 8 (the graph is traced per input size), got {img_size!r}"
-        )
+    check_export_side(img_size)
     expected = explainer.classifier.input_size
     if expected is not None and (expected[1], expected[2]) != (img_size, img_size) and _fixed_size(explainer):
         raise ValueError(

@@ -17,6 +17,7 @@ from attr_engine.aha.persistence import WEIGHTS_FILE, load_checkpoint, save_expl
 from attr_engine.aha.trainer import fit as train_decoder
 from attr_engine.classifier import Classifier, check_device, eval_mode, resolve_targets
 from attr_engine.explainer import Explainer, register_explainer
+from attr_engine.guards import check_count, not_a_classifier_hint
 from attr_engine.imageops import gaussian_blur, reference_image
 from attr_engine.pullback import SemanticPullback
 from attr_engine_kernels.region import blur_kernel_size
@@ -74,7 +75,10 @@ class AHA(nn.Module, Explainer):
     ) -> None:
         super().__init__()
         if not isinstance(classifier, Classifier):
-            raise ValueError(f"classifier must be an attr_engine.Classifier, got {type(classifier).__name__}")
+            raise ValueError(
+                f"classifier must be an attr_engine.Classifier, got {type(classifier).__name__}"
+                f"{not_a_classifier_hint(classifier)}"
+            )
         if classifier.num_classes < 2:
             raise ValueError("AHA needs a classifier with at least two classes")
         self.classifier = classifier
@@ -133,7 +137,7 @@ class AHA(nn.Module, Explainer):
     # ------------------------------------------------------------------------------------------------------------
 
     def _check_options(self, options: dict[str, Any]) -> None:
-        check_int_at_least(options["refine_steps"], "refine_steps", 0)
+        check_count(options["refine_steps"], "refine_steps")
         seed = options["seed"]
         # Any int torch accepts as a seed (negative ones too), or a generator: no count validator fits.
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | torch.Generator)):
@@ -493,6 +497,16 @@ class AHA(nn.Module, Explainer):
                 format, inconsistent with each other, made for a different classifier, or name a backbone the
                 loader would have to fetch from elsewhere.
         """
+        if isinstance(path, nn.Module):
+            raise ValueError(
+                f"AHA.load(path, classifier) takes the checkpoint directory first, got a {type(path).__name__} "
+                "(are the arguments swapped?)"
+            )
+        if not isinstance(classifier, Classifier):
+            raise ValueError(
+                f"classifier must be an attr_engine.Classifier, got {type(classifier).__name__}"
+                f"{not_a_classifier_hint(classifier)}"
+            )
         ckpt = load_checkpoint(path, classifier, trust_backbone=trust_backbone)
         config = ckpt.config
         backbone = None
@@ -539,11 +553,11 @@ def _registered(classifier: nn.Module, *, aha: AHA | str | os.PathLike[str] | No
     """
     if isinstance(aha, (str, os.PathLike)):
         if not isinstance(classifier, Classifier):
-            raise ValueError(f"an AHA checkpoint loads for a Classifier, got {type(classifier).__name__}")
-        try:
-            aha = AHA.load(aha, classifier)
-        except FileNotFoundError as err:
-            raise FileNotFoundError(f"no AHA checkpoint in {aha}: {err}") from None
+            raise ValueError(
+                f"an AHA checkpoint loads for a Classifier, got {type(classifier).__name__}"
+                f"{not_a_classifier_hint(classifier)}"
+            )
+        aha = AHA.load(aha, classifier)  # its errors name the path and what to pass instead
     if not isinstance(aha, AHA):
         raise ValueError(f"the 'aha' explainer needs a trained AHA passed as aha=..., got {type(aha).__name__}")
     if aha.classifier is not classifier:

@@ -54,6 +54,7 @@ from attr_engine.classifier import (
     file_int,
     is_external_name,
 )
+from attr_engine.guards import AHA_CHECKPOINTS_DIR, AHA_CONFIG_FILE, AHA_FORMAT, AHA_WEIGHTS_FILE, check_aha_dir
 
 __all__ = [
     "BACKBONE_PREFIX",
@@ -80,14 +81,15 @@ __all__ = [
     "write_checkpoint",
 ]
 
-FORMAT = "attr_engine.aha/1"
-WEIGHTS_FILE = "explainer.safetensors"
-CONFIG_FILE = "config.json"
+# The layout's names live in attr_engine.guards, which tells a checkpoint from other paths without torch.
+FORMAT = AHA_FORMAT
+WEIGHTS_FILE = AHA_WEIGHTS_FILE
+CONFIG_FILE = AHA_CONFIG_FILE
 TRAINER_FILE = "trainer.safetensors"
 # A run with a validation set: the decoder's weights at the best score so far, beside the step's own.
 BEST_FILE = "best.safetensors"
 # Training checkpoints: OUT/checkpoints/step-<8 digits>/ each hold a whole checkpoint; OUT/config.json points at one.
-CHECKPOINTS_DIR = "checkpoints"
+CHECKPOINTS_DIR = AHA_CHECKPOINTS_DIR
 POINTER_KEY = "checkpoint"
 _STEP_DIR = re.compile(r"step-(\d{8,})")
 # A separate backbone's weights are stored beside the decoder's under this prefix (the classifier's own backbone is
@@ -174,12 +176,11 @@ def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
 
     Raises:
         FileNotFoundError: ``path`` holds no checkpoint.
-        ValueError: the pointer is not a step directory under ``path/checkpoints`` (a checkpoint may only point
-            inside itself).
+        ValueError: ``path`` is a file (its weights, or a classifier checkpoint) or a classifier's directory, named
+            with what to pass instead; or the pointer is not a step directory under ``path/checkpoints`` (a
+            checkpoint may only point inside itself).
     """
-    src = Path(path)
-    if not src.is_dir():
-        raise FileNotFoundError(f"AHA checkpoint directory not found: {src}")
+    src = check_aha_dir(path)  # a file, a classifier's directory or nothing at all: named in one line
     top = src / CONFIG_FILE
     pointer = None
     if top.is_file():
@@ -247,6 +248,8 @@ def write_checkpoint(path: str | os.PathLike[str], weights: Mapping[str, torch.T
     Each file is written atomically, the weights first, so a crash never leaves a config pointing at missing weights.
     """
     out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file: an AHA checkpoint is a directory (explainer.safetensors, config.json)")
     out.mkdir(parents=True, exist_ok=True)
     save_safetensors(
         dict(weights),

@@ -40,8 +40,8 @@ from attr_engine._training import collate_images_labels, warmup_cosine
 from attr_engine.aha.loss import soft_auc_loss
 from attr_engine.aha.persistence import Checkpointable, latest_training_checkpoint, save_training_checkpoint
 from attr_engine.aha.validation import EarlyStopping, Scored, ValData, check_val_data, score_validation
+from attr_engine.guards import check_count
 from attr_engine.imageops import reference_image, scaled_blur
-from attr_engine_kernels.validate import check_int_at_least
 
 
 class Trainee(Checkpointable, Scored, Protocol):
@@ -151,12 +151,12 @@ def _check_fit_args(
     checkpoint_dir: str | os.PathLike[str] | None,
 ) -> None:
     if epochs is not None:
-        check_int_at_least(epochs, "epochs", 1)
-    check_int_at_least(batch_size, "batch_size", 1)
+        check_count(epochs, "epochs")
+    check_count(batch_size, "batch_size")
     if max_steps is not None:
-        check_int_at_least(max_steps, "max_steps", 1)
+        check_count(max_steps, "max_steps")
     if checkpoint_every is not None:
-        check_int_at_least(checkpoint_every, "checkpoint_every", 1)
+        check_count(checkpoint_every, "checkpoint_every")
         if checkpoint_dir is None:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
 

@@ -11,8 +11,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# attr_engine.guards imports only the standard library: the checks that need no model refuse before torch loads.
+from attr_engine.guards import (
+    check_checkpoint_file,
+    check_img_size,
+    check_model_name_path,
+    check_num_classes,
+    split_source,
+)
+
 # torch, timm and the engine are imported inside the functions that need them: building the parser (and so
-# `attr-engine --help`) must not pay for them.
+# `attr-engine --help`) must not pay for them, nor a refusal of a flag that needs no model.
 if TYPE_CHECKING:
     import torch
 
@@ -225,16 +234,20 @@ def add_classifier_args(parser: argparse.ArgumentParser) -> None:
 
 
 def check_classifier_args(args: argparse.Namespace) -> None:
-    """The classifier flags (``--classifier`` / ``--model`` / ``--pretrained``) checked before anything is loaded."""
+    """The classifier flags (``--classifier`` / ``--model`` / ``--pretrained``) checked before anything is loaded,
+    and without torch: a directory or an AHA checkpoint given as ``--classifier``, a checkpoint file given as
+    ``--model``, a missing ``hf:`` directory are each refused in one line naming the flag they go to. A hub name is
+    then probed once (offline: one line instead of the hub client's retries)."""
     if args.classifier is None and args.model is None:
         raise UsageError("no classifier: pass --classifier PATH (a checkpoint) or --model NAME (a timm model)")
     if args.classifier is not None:
-        if not Path(args.classifier).is_file():
-            raise UsageError(f"classifier checkpoint not found: {args.classifier}")
+        check_checkpoint_file(args.classifier, cli=True)
         if args.pretrained:
             raise UsageError("--pretrained and --classifier exclude each other (the checkpoint holds the weights)")
     if args.model in SMALL_MODELS:
         raise UsageError(f"{args.model!r} is a train-classifier preset; pass the checkpoint it wrote with --classifier")
+    if args.model is not None:
+        check_model_name_path(args.model, cli=True)
     check_model_flags(args.num_classes, getattr(args, "img_size", None))
     if args.model is not None and is_hub_name(args.model):
         from attr_engine.model_sources import hub_reachable_or_offline
@@ -246,8 +259,8 @@ def check_classifier_args(args: argparse.Namespace) -> None:
 # Bounds: what a flag or an option may ask of the machine, checked before any work (issue #34)
 # ---------------------------------------------------------------------------------------------------------------
 
-# A classification head of this many classes is 400 MB at 1024 features; ImageNet-21k has 21,843 classes.
-MAX_NUM_CLASSES = 100_000
+# --num-classes and --img-size are bounded by attr_engine.guards (MAX_NUM_CLASSES, MAX_IMG_SIZE), which the library
+# checks too.
 # Below this side a model is tried once on a blank image before any work: a kernel or patch larger than the image
 # fails there, in one line, instead of at the first map. Above it every model we know of takes the image.
 PROBE_BELOW = 64
@@ -260,13 +273,15 @@ MAX_PIXELS_PER_CALL = 256 * 512 * 512
 
 
 def check_model_flags(num_classes: int | None, img_size: int | None) -> None:
-    """``--num-classes`` and ``--img-size`` within their bounds, before the model is built or an image resized."""
-    from attr_engine.classifier import MAX_FILE_IMG_SIZE  # the bound a checkpoint's img_size has too
-
-    if num_classes is not None and not 1 <= num_classes <= MAX_NUM_CLASSES:
-        raise UsageError(f"--num-classes must be between 1 and {MAX_NUM_CLASSES:,}, got {num_classes:,}")
-    if img_size is not None and not 1 <= img_size <= MAX_FILE_IMG_SIZE:
-        raise UsageError(f"--img-size must be between 1 and {MAX_FILE_IMG_SIZE} px, got {img_size:,}")
+    """``--num-classes`` and ``--img-size`` within their bounds (:mod:`attr_engine.guards`, the bounds a checkpoint's
+    sizes have too), before the model is built or an image resized."""
+    try:
+        if num_classes is not None:
+            check_num_classes(num_classes, "--num-classes")
+        if img_size is not None:
+            check_img_size(img_size, "--img-size")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def check_input_side(classifier: Classifier, side: int) -> None:
@@ -329,9 +344,9 @@ def check_cost(explainer: Any, side: int, max_cost: float, method: str) -> None:
 
 
 def classifier_args(args: argparse.Namespace, *, img_size: int | None = None, seed: int = 0) -> dict[str, Any]:
-    """:func:`attr_engine.classifier.load_classifier`'s arguments from the classifier flags (checked), seeded with
-    ``seed`` so random weights are the same in every process."""
-    check_classifier_args(args)
+    """:func:`attr_engine.classifier.load_classifier`'s arguments from the classifier flags, seeded with ``seed`` so
+    random weights are the same in every process. The command checks the flags first, with the other flags that
+    need no model (:func:`check_classifier_args`), before torch is imported."""
     return {
         "name": args.model, "pretrained": args.pretrained, "num_classes": args.num_classes, "img_size": img_size,
         "checkpoint": args.classifier, "seed": seed,
@@ -341,8 +356,6 @@ def classifier_args(args: argparse.Namespace, *, img_size: int | None = None, se
 def is_hub_name(name: str) -> bool:
     """Whether building ``name`` reads from the Hugging Face hub even without pretrained weights (its config): a
     transformers ``hf:org/repo`` (not a local directory) or timm's ``hf-hub:org/repo``."""
-    from attr_engine.model_sources import split_source
-
     source, ident = split_source(name)
     if source == "hf":
         return not Path(ident).is_dir()

@@ -25,6 +25,7 @@ from attr_engine.cli._common import (
     resolve_device,
     work_started,
 )
+from attr_engine.guards import check_small_model_side
 
 
 def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
@@ -114,15 +115,14 @@ def engine_timings(model: str, *, batch: int, img_size: int, repeats: int, devic
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    for flag in ("batch_size", "repeats"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    check_small_model_side(args.img_size, SMALL_MODELS[args.model], "--img-size")  # before torch is imported
     import torch
 
     from attr_engine.checkpoint import save_json
 
-    for flag in ("batch_size", "repeats"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.img_size < 32 or (args.model == "small-vit" and args.img_size % 8):
-        raise UsageError(f"--img-size must be >= 32 (a multiple of 8 for small-vit), got {args.img_size}")
     device = resolve_device(args.device)
     work_started()
     status = 0

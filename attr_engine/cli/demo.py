@@ -38,6 +38,7 @@ from attr_engine.cli._common import (
     work_started,
 )
 from attr_engine.cli.evaluate import markdown, plain_table, row_labels, run_leaderboard, write_board
+from attr_engine.guards import check_count, check_small_model_side
 
 
 @dataclass(frozen=True)
@@ -124,13 +125,15 @@ def _sizes(args: argparse.Namespace) -> DemoSizes:
     for field in ("num_train", "epochs", "aha_steps", "aha_batch", "num_eval", "num_show", "refine_steps", "img_size"):
         value = getattr(args, field)
         if value is not None:
-            low = 0 if field == "refine_steps" else 1
-            if value < low:
-                raise UsageError(f"--{field.replace('_', '-')} must be >= {low}, got {value}")
+            flag = f"--{field.replace('_', '-')}"
+            if field in ("refine_steps", "epochs"):
+                check_count(value, field, flag=flag)
+            elif value < 1:
+                raise UsageError(f"{flag} must be >= 1, got {value}")
             overrides[field] = value
     sizes = replace(preset, **overrides)
-    if sizes.img_size < 32 or sizes.img_size % 8:
-        raise UsageError(f"--img-size must be a multiple of 8 and >= 32, got {sizes.img_size}")
+    # The stricter of the two presets' sides (the small ViT's), so --model may name either.
+    check_small_model_side(sizes.img_size, "vit", "--img-size")
     if sizes.num_train < sizes.aha_batch:
         raise UsageError(f"--num-train must be at least the AHA batch ({sizes.aha_batch})")
     return replace(sizes, num_show=min(sizes.num_show, sizes.num_eval))
@@ -172,16 +175,16 @@ class _Stages:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    sizes = _sizes(args)  # the flags, before torch is imported
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    compared = _compared(args)
     import torch
 
     from attr_engine.classifier import save_classifier
     from attr_engine.classifier_training import evaluate_accuracy
     from attr_engine.data import ShapesDataset
 
-    sizes = _sizes(args)
-    if args.seed < 0:
-        raise UsageError(f"--seed must be >= 0, got {args.seed}")
-    compared = _compared(args)
     if getattr(args, "threads", None) is None:
         # One thread unless --threads says otherwise: the demo's 64 px models gain little from more, the numbers are
         # then the same on any core count, and other jobs' threads cannot stall ours at every barrier (two threads

@@ -13,6 +13,7 @@ from attr_engine.cli._common import (
     UsageError,
     add_classifier_args,
     add_device_arg,
+    check_classifier_args,
     check_cost,
     check_input_side,
     check_writable_dir,
@@ -22,6 +23,7 @@ from attr_engine.cli._common import (
     warn_if_untrained,
     work_started,
 )
+from attr_engine.guards import check_aha_dir, check_count, check_data_dir
 
 CHEAP_METRICS = ("deletion", "insertion")
 MASK_METRICS = ("pointing_game", "energy_pointing_game")
@@ -91,9 +93,8 @@ def evaluation_data(data: str, *, num_images: int, img_size: int, seed: int) -> 
         raise UsageError(f"--num-images must be >= 1, got {num_images}")
     if data == EMBEDDED:
         return ShapesDataset(num_images, img_size=img_size, seed=seed + HELD_OUT_SEED, with_masks=True).tensors()
-    root = Path(data)
-    if not root.is_dir():
-        raise UsageError(f"data folder not found: {root} (use '{EMBEDDED}' for the embedded dataset)")
+    root = check_data_dir(data, embedded=EMBEDDED)
+    assert root is not None  # data is not the embedded set's name
     ds = ImageFolderDataset(root, img_size=img_size, skip_unreadable=True)
     # Evenly spaced picks cover every class of a sorted ImageFolder, not just the first one.
     picks = sorted(set(torch.linspace(0, len(ds) - 1, min(num_images, len(ds))).round().long().tolist()))
@@ -191,15 +192,23 @@ def run_leaderboard(
         return board
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """The flags and paths that need no model, checked before torch is imported."""
+    check_count(args.batch_size, "batch_size", flag="--batch-size")
+    if args.num_images < 1:
+        raise UsageError(f"--num-images must be >= 1, got {args.num_images}")
+    check_count(args.refine_steps, "refine_steps", flag="--refine-steps")
+    check_data_dir(args.data, embedded=EMBEDDED)
+    if args.aha is not None:
+        check_aha_dir(args.aha, cli=True)
+    check_classifier_args(args)
+
+
 def run_evaluate(args: argparse.Namespace) -> int:
+    _check_args(args)
     from attr_engine.checkpoint import atomic_write
     from attr_engine.evaluate import METRICS
 
-    for flag in ("batch_size", "num_images"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.refine_steps < 0:
-        raise UsageError(f"--refine-steps must be >= 0, got {args.refine_steps}")
     out = check_writable_dir(args.out) if args.out else None
     device = resolve_device(args.device)
     from attr_engine.classifier import load_classifier

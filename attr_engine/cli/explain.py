@@ -51,10 +51,9 @@ from attr_engine.cli._common import (
     resolve_method,
     work_started,
 )
+from attr_engine.guards import check_aha_dir, check_count, check_crop_pct
+from attr_engine.jobs.job import FORMATS, MAP_DTYPES  # the job layer imports torch only where it runs a job
 
-# jobs.FORMATS, repeated so the parser can be built without importing the job layer (it imports torch).
-FORMATS = ("npy", "safetensors", "none")
-MAP_DTYPES = ("float32", "float16")
 PNG_LAYOUTS = ("overlay", "side-by-side")
 MIN_PNG_MAX_SIDE = 256
 ENGINES = ("local", "ray")
@@ -217,10 +216,8 @@ def _check_engine_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--gpus-per-actor must be >= 0, got {args.gpus_per_actor}")
 
 
-def _check_args(args: argparse.Namespace) -> tuple[int, int]:
-    """Check the flags that need no model; returns this process's ``(rank, world size)``."""
-    from attr_engine.distributed import process_rank
-
+def _check_args(args: argparse.Namespace) -> None:
+    """Check the flags and paths that need no model, before torch is imported: a refusal here is immediate."""
     _check_engine_args(args)
     if args.format == "none" and not args.png:
         raise UsageError("--format none writes no maps: it needs --png (the pictures are then the only output)")
@@ -235,23 +232,38 @@ def _check_args(args: argparse.Namespace) -> tuple[int, int]:
 
         if args.cmap not in colormaps:
             raise UsageError(f"--cmap: unknown matplotlib colour map {args.cmap!r} (e.g. RdBu_r, inferno, viridis)")
-    for flag in ("batch_size", "limit", "img_size"):
+    for flag in ("limit", "img_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    check_count(args.batch_size, "batch_size", flag="--batch-size")  # the bounds the job checks too
+    check_count(args.refine_steps, "refine_steps", flag="--refine-steps")
+    if args.crop_pct is not None:
+        check_crop_pct(args.crop_pct, "--crop-pct")
     if args.target not in ("pred", "label") and not args.target.lstrip("-").isdigit():
         raise UsageError(f"--target must be pred, label or a class index, got {args.target!r}")
+    src, out = Path(args.input), Path(args.out)
+    if not src.exists():
+        raise UsageError(f"input not found: {src}")
+    if not os.access(src, os.R_OK | (os.X_OK if src.is_dir() else 0)):
+        raise UsageError(f"input {src} is not readable (permission denied)")
+    if src.is_dir() and (out.resolve() == src.resolve() or src.resolve() in out.resolve().parents):
+        raise UsageError(f"--out {out} lies inside the input folder {src}; its maps would be read as inputs")
+    if args.aha is not None:
+        check_aha_dir(args.aha, cli=True)
+    check_classifier_args(args)
+
+
+def _rank(args: argparse.Namespace) -> tuple[int, int]:
+    """This process's ``(rank, world size)`` (torchrun's variables), refused with ``--engine ray``."""
+    from attr_engine.distributed import process_rank
+
     try:
         rank, world = process_rank()
     except ValueError as err:
         raise UsageError(str(err)) from None
     if args.engine == "ray" and world > 1:
         raise UsageError("--engine ray schedules its own workers: run it once, not under torchrun (RANK / WORLD_SIZE)")
-    src, out = Path(args.input), Path(args.out)
-    if not src.exists():
-        raise UsageError(f"input not found: {src}")
-    if src.is_dir() and (out.resolve() == src.resolve() or src.resolve() in out.resolve().parents):
-        raise UsageError(f"--out {out} lies inside the input folder {src}; its maps would be read as inputs")
     return rank, world
 
 
@@ -299,8 +311,8 @@ def _engine(args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
 
 
 def run_explain(args: argparse.Namespace) -> int:
-    rank, world = _check_args(args)
-    check_classifier_args(args)
+    _check_args(args)
+    rank, world = _rank(args)
     if args.engine == "local":  # with Ray the actors hold the classifier: the cluster is checked for the device
         resolve_device(args.device)
     job = _job(args)

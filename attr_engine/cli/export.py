@@ -11,12 +11,14 @@ from attr_engine.cli._common import (
     UsageError,
     add_classifier_args,
     add_device_arg,
+    check_classifier_args,
     check_input_side,
     classifier_args,
     resolve_device,
     resolve_method,
     work_started,
 )
+from attr_engine.guards import check_aha_dir, check_export_side
 
 
 def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
@@ -59,22 +61,27 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    """Refusals that need no model: another method, refinement, an impossible size (one line each, exit 2)."""
+    """Refusals that need no model: refinement, no explainer, an impossible size, paths of the wrong kind (one line
+    each, exit 2), before torch is imported; then another method than aha (its name resolved by the registry)."""
+    if args.refine_steps != 0:
+        raise UsageError("--refine-steps must be 0: refinement runs an optimiser per request, which no graph holds")
+    if args.aha is None:
+        raise UsageError("export needs a trained explainer: pass --aha DIR (train-aha or demo output)")
+    if args.img_size is not None:
+        check_export_side(args.img_size, flag="--img-size")
+    if args.crop_pct is not None and not 0.0 < args.crop_pct <= 1.0:
+        raise UsageError(f"--crop-pct must be in (0, 1], got {args.crop_pct}")
+    if Path(args.output).is_dir():
+        raise UsageError(f"--output {args.output} is a directory; name the file to write")
+    if args.class_names is not None and Path(args.class_names).is_dir():
+        raise UsageError(f"--class-names {args.class_names} is a directory; pass the JSON file of class names")
+    check_aha_dir(args.aha, cli=True)
+    check_classifier_args(args)
     method = resolve_method(args.method)
     if method != "aha":
         raise UsageError(
             f"{method} cannot be exported: only aha has a one-pass graph (the others need autograd or many passes)"
         )
-    if args.refine_steps != 0:
-        raise UsageError("--refine-steps must be 0: refinement runs an optimiser per request, which no graph holds")
-    if args.aha is None:
-        raise UsageError("export needs a trained explainer: pass --aha DIR (train-aha or demo output)")
-    if args.img_size is not None and args.img_size < 8:
-        raise UsageError(f"--img-size must be >= 8, got {args.img_size}")
-    if args.crop_pct is not None and not 0.0 < args.crop_pct <= 1.0:
-        raise UsageError(f"--crop-pct must be in (0, 1], got {args.crop_pct}")
-    if Path(args.output).is_dir():
-        raise UsageError(f"--output {args.output} is a directory; name the file to write")
 
 
 def _class_names(path: str | None) -> list[str] | None:

@@ -33,6 +33,7 @@ from attr_engine.cli._common import (
     resolve_method,
     work_started,
 )
+from attr_engine.guards import check_aha_dir, check_count, check_crop_pct
 
 # attr_engine.serve's defaults, repeated so the parser can be built without importing Ray or torch.
 MAP_DTYPES = ("float32", "float16")
@@ -162,11 +163,26 @@ def _settings(args: argparse.Namespace) -> Any:
         raise UsageError(str(err).replace("_", "-").replace("batch-wait-s", "--batch-wait-ms / 1000")) from None
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """The flags and paths that need no model, checked before torch or Ray is imported (an ``--artifact`` run's
+    flags are checked with its file, in :func:`_artifact`)."""
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("starlette") is None:
+        raise UsageError("serve needs Ray Serve: pip install 'attr-engine[serve]' (or 'ray[serve]')")
+    if args.crop_pct is not None:
+        check_crop_pct(args.crop_pct, "--crop-pct")
+    if args.artifact is not None:
+        return
+    if args.img_size is not None and args.img_size < 1:
+        raise UsageError(f"--img-size must be >= 1, got {args.img_size}")
+    check_count(args.refine_steps, "refine_steps", flag="--refine-steps")
+    if args.aha is not None:
+        check_aha_dir(args.aha, cli=True)
+    check_classifier_args(args)
+
+
 def _build(args: argparse.Namespace) -> tuple[Any, Any]:
     """The job (or the exported file) and settings, checked: the classifier and method are built once here, the file
     loaded once, so a mistake is one line."""
-    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("starlette") is None:
-        raise UsageError("serve needs Ray Serve: pip install 'attr-engine[serve]' (or 'ray[serve]')")
     if not (args.address or os.environ.get("RAY_ADDRESS")):
         # A local cluster's HTTP proxy listens here; a joined cluster's runs on its nodes (and may be listening).
         _check_port(args.host, args.port)
@@ -178,9 +194,6 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
 
     method = resolve_method(args.method or ("aha" if args.aha else "pullback"))
     options = parse_key_values(args.option, "--option")
-    if args.img_size is not None and args.img_size < 1:
-        raise UsageError(f"--img-size must be >= 1, got {args.img_size}")
-    check_classifier_args(args)
     job = jobs.AttributionJob(
         method=method, classifier=args.classifier, model=args.model, pretrained=args.pretrained,
         num_classes=args.num_classes, img_size=args.img_size, aha=args.aha, refine_steps=args.refine_steps,
@@ -214,8 +227,6 @@ def _artifact(args: argparse.Namespace) -> Any:
             f"--artifact serves the exported file as it is (its classifier, method and input size): drop "
             f"{', '.join(given)}"
         )
-    if args.crop_pct is not None and not 0.0 < args.crop_pct <= 1.0:
-        raise UsageError(f"--crop-pct must be in (0, 1], got {args.crop_pct}")
     if importlib.util.find_spec("onnxruntime") is None:
         raise UsageError("--artifact needs onnxruntime: pip install 'attr-engine[export]'")
     from attr_engine.artifact import read_artifact
@@ -257,6 +268,7 @@ def _stop_on_sigterm() -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    _check_args(args)
     from attr_engine.artifact import OnnxArtifact
     from attr_engine.ray import ray_session
 

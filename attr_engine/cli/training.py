@@ -14,6 +14,7 @@ from attr_engine.cli._common import (
     UsageError,
     add_classifier_args,
     add_device_arg,
+    check_classifier_args,
     check_model_flags,
     check_writable_dir,
     classifier_args,
@@ -22,8 +23,13 @@ from attr_engine.cli._common import (
     warn_if_untrained,
     work_started,
 )
-
-CLASSIFIER_FILE = "classifier.safetensors"
+from attr_engine.guards import (
+    CLASSIFIER_FILE,
+    check_checkpoint_file,
+    check_count,
+    check_data_dir,
+    check_model_name_path,
+)
 
 
 def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
@@ -124,9 +130,8 @@ def load_training_data(data: str, *, img_size: int, num_images: int, seed: int) 
         if num_images < 1:
             raise UsageError(f"--num-images must be >= 1, got {num_images}")
         return ShapesDataset(num_images, img_size=img_size, seed=seed, with_masks=False)
-    root = Path(data)
-    if not root.is_dir():
-        raise UsageError(f"data folder not found: {root} (use '{EMBEDDED}' for the embedded dataset)")
+    root = check_data_dir(data, embedded=EMBEDDED)
+    assert root is not None  # data is not the embedded set's name
     ds = ImageFolderDataset(root, img_size=img_size, skip_unreadable=True)
     if not ds.class_names:
         raise UsageError(f"{root} has no class subfolders; training needs the ImageFolder layout root/<class>/<image>")
@@ -138,16 +143,32 @@ def _positive(value: int | None, flag: str) -> None:
         raise UsageError(f"{flag} must be >= 1, got {value}")
 
 
+def _check_classifier_training(args: argparse.Namespace) -> None:
+    """train-classifier's flags and paths that need no model, checked before torch is imported."""
+    check_count(args.epochs, "epochs", flag="--epochs")
+    check_count(args.batch_size, "batch_size", flag="--batch-size")
+    _positive(args.num_images, "--num-images")
+    check_model_flags(None, args.img_size)  # before any image is resized to it
+    if args.model in SMALL_MODELS:
+        if args.pretrained or args.init:
+            raise UsageError(f"{args.model} is trained from scratch; --pretrained / --init need a timm model name")
+    else:
+        check_model_name_path(args.model, cli=True, checkpoint_flag="--init")
+    if args.init:
+        check_checkpoint_file(args.init, cli=True, flag="--init")
+        if args.pretrained:
+            raise UsageError("--init and --pretrained exclude each other")
+    check_data_dir(args.data, embedded=EMBEDDED)
+
+
 def run_train_classifier(args: argparse.Namespace) -> int:
+    _check_classifier_training(args)
     from tqdm.auto import tqdm
 
     from attr_engine.checkpoint import save_json
     from attr_engine.classifier import save_classifier
     from attr_engine.classifier_training import evaluate_accuracy, train_classifier
 
-    for flag in ("epochs", "batch_size", "num_images"):
-        _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
-    check_model_flags(None, args.img_size)  # before any image is resized to it
     device = resolve_device(args.device)
     out = check_writable_dir(args.out)
     target = out / CLASSIFIER_FILE
@@ -221,15 +242,9 @@ def _initial_model(args: argparse.Namespace, img_size: int, num_classes: int) ->
     from attr_engine.classifier import load_classifier
     from attr_engine.classifier_training import small_model_config
 
-    if args.model in SMALL_MODELS:
-        if args.pretrained or args.init:
-            raise UsageError(f"{args.model} is trained from scratch; --pretrained / --init need a timm model name")
+    if args.model in SMALL_MODELS:  # the flags were checked with the others (_check_classifier_training)
         return small_model_config(SMALL_MODELS[args.model], img_size)
     elif args.init:
-        if not Path(args.init).is_file():
-            raise UsageError(f"--init checkpoint not found: {args.init}")
-        if args.pretrained:
-            raise UsageError("--init and --pretrained exclude each other")
         model = load_classifier(args.model, checkpoint=args.init, img_size=img_size)
         if model.num_classes != num_classes:
             raise UsageError(
@@ -264,16 +279,26 @@ def aha_config_from_args(args: argparse.Namespace) -> Any:
         raise UsageError(f"bad AHA option: {err}") from None
 
 
+def _check_aha_training(args: argparse.Namespace) -> None:
+    """train-aha's flags and paths that need no model, checked before torch is imported: the counts with the
+    bounds AHAConfig and the trainer check (:data:`attr_engine.guards.COUNT_MINIMUM`)."""
+    for option in ("epochs", "batch_size", "max_steps", "checkpoint_every", "val_every", "patience", "n_fractions"):
+        if getattr(args, option) is not None:
+            check_count(getattr(args, option), option, flag="--" + option.replace("_", "-"))
+    _positive(args.num_images, "--num-images")
+    if args.val_fraction is not None and not 0 < args.val_fraction < 1:  # NaN too: checked before any loading
+        raise UsageError(f"--val-fraction: the validation fraction must be in (0, 1), got {args.val_fraction}")
+    check_data_dir(args.data, embedded=EMBEDDED)
+    check_classifier_args(args)
+
+
 def run_train_aha(args: argparse.Namespace) -> int:
+    _check_aha_training(args)
     from attr_engine.aha import AHA
     from attr_engine.aha.persistence import CHECKPOINTS_DIR, CONFIG_FILE, has_checkpoint
     from attr_engine.classifier import load_classifier
     from attr_engine.distributed import process_rank
 
-    for flag in ("epochs", "batch_size", "max_steps", "checkpoint_every", "num_images", "val_every", "patience"):
-        _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
-    if args.val_fraction is not None and not 0 < args.val_fraction < 1:  # NaN too: checked before any loading
-        raise UsageError(f"--val-fraction: the validation fraction must be in (0, 1), got {args.val_fraction}")
     rank, world = process_rank()
     device = resolve_device(args.device)
     config = aha_config_from_args(args)

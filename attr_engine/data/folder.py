@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import Dataset
 
+from attr_engine.guards import check_crop_pct
 from attr_engine.imageops import DataConfig, decode_image, pil_to_tensor, preprocess
-from attr_engine_kernels.validate import check_int_at_least, check_positive
+from attr_engine_kernels.validate import check_int_at_least
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -139,8 +140,7 @@ class ImageFolderDataset(Dataset):
             raise FileNotFoundError(f"image folder not found: {self.root}")
         if img_size is not None:
             check_int_at_least(img_size, "img_size", 1)
-        if not check_positive(crop_pct, "crop_pct") <= 1.0:
-            raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct!r}")
+        check_crop_pct(crop_pct)
         self.img_size = img_size
         self.crop_pct = float(crop_pct)
         self.config = None if img_size is None else DataConfig((img_size, img_size), self.crop_pct, "bicubic")

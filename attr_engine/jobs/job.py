@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from attr_engine_kernels.validate import check_int_at_least
+from attr_engine.guards import (
+    check_aha_dir,
+    check_checkpoint_file,
+    check_count,
+    check_crop_pct,
+    check_img_size,
+    check_num_classes,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -99,23 +106,25 @@ class AttributionJob:
             raise ValueError(f"method must be a method name, got {self.method!r}")
         if self.classifier is None and self.model is None:
             raise ValueError("no classifier: pass a checkpoint (classifier=...) or a timm model name (model=...)")
-        if self.classifier is not None and not Path(self.classifier).is_file():
-            raise FileNotFoundError(f"classifier checkpoint not found: {self.classifier}")
-        if self.aha is not None and not Path(self.aha).is_dir():
-            raise FileNotFoundError(f"AHA checkpoint directory not found: {self.aha}")
+        if self.classifier is not None:
+            check_checkpoint_file(self.classifier)  # a directory or an AHA checkpoint named as such
+        if self.aha is not None:
+            check_aha_dir(self.aha)
         if self.frame not in FRAMES:
             raise ValueError(f"frame must be one of {', '.join(FRAMES)}, got {self.frame!r}")
         # A class index's range is checked where the classifier is known (explain, the engines).
         valid_index = isinstance(self.target, int) and not isinstance(self.target, bool)
         if self.target not in ("pred", "label") and not valid_index:
             raise ValueError(f"target must be 'pred', 'label' or a class index, got {self.target!r}")
-        check_int_at_least(self.refine_steps, "refine_steps", 0)
-        check_int_at_least(self.batch_size, "batch_size", 1)
-        for name in ("num_classes", "img_size"):
-            if getattr(self, name) is not None:
-                check_int_at_least(getattr(self, name), name, 1)
-        if self.crop_pct is not None and not 0.0 < self.crop_pct <= 1.0:
-            raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct!r}")
+        check_count(self.refine_steps, "refine_steps")
+        check_count(self.batch_size, "batch_size")
+        # The command line's bounds (attr_engine.guards): a job is what every engine builds from.
+        if self.num_classes is not None:
+            check_num_classes(self.num_classes)
+        if self.img_size is not None:
+            check_img_size(self.img_size)
+        if self.crop_pct is not None:
+            check_crop_pct(self.crop_pct)
 
     def load_classifier(self, device: torch.device | str = "cpu") -> Classifier:
         """The job's classifier on ``device``: :func:`attr_engine.classifier.load_classifier` of its checkpoint (the

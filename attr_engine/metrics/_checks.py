@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from attr_engine.classifier import Classifier, resolve_targets
+from attr_engine.guards import not_a_classifier_hint
 from attr_engine_kernels.validate import check_tensor
 
 __all__ = ["check_classifier", "check_images", "check_masks", "check_pixel_maps", "resolve_target"]
@@ -16,7 +17,10 @@ __all__ = ["check_classifier", "check_images", "check_masks", "check_pixel_maps"
 def check_classifier(classifier: object, x: torch.Tensor) -> Classifier:
     """Check that ``classifier`` is a :class:`Classifier` living on ``x``'s device (metrics never move models)."""
     if not isinstance(classifier, Classifier):
-        raise ValueError(f"classifier must be an attr_engine Classifier, got {type(classifier).__name__}")
+        raise ValueError(
+            f"classifier must be an attr_engine Classifier, got {type(classifier).__name__}"
+            f"{not_a_classifier_hint(classifier)}"
+        )
     if classifier.norm_mean.device != x.device:
         raise ValueError(f"classifier is on {classifier.norm_mean.device} but x is on {x.device}")
     return classifier
