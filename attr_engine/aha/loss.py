@@ -48,6 +48,27 @@ class SoftAUC:
     insertion_curve: torch.Tensor
 
 
+# A curve whose target probability moves by less than this (one percentage point) between its lowest and highest
+# point is flat: its AUC hardly depends on the map, so it gives the decoder (almost) no gradient.
+FLAT_SPREAD = 0.01
+
+
+def curve_spread(curves: torch.Tensor) -> torch.Tensor:
+    """How far the target probability moves along each curve: max - min over the fractions. (B, S) -> (B,)."""
+    return curves.amax(dim=1) - curves.amin(dim=1)
+
+
+def flat_curves(deletion: torch.Tensor, insertion: torch.Tensor, eps: float = FLAT_SPREAD) -> torch.Tensor:
+    """(B,) bool: each image's deletion and insertion curves, (B, S) each, both spread less than ``eps``.
+
+    Both curves run from the image (fraction 0) to the reference (fraction 1), so each spreads at least
+    ``|p(x) - p(r)|``: a flat pair needs a reference the classifier scores like the image for that target. Both
+    AUCs then lie within ``eps`` of ``p(x)``, so the pair's loss term ``deletion + (1 - insertion)`` is 1 up to
+    ``2 eps`` whatever the map, and its gradient is as small.
+    """
+    return (curve_spread(deletion) < eps) & (curve_spread(insertion) < eps)
+
+
 def trapezoid_auc(curve: torch.Tensor, fractions: torch.Tensor) -> torch.Tensor:
     """Area under (fractions, curve) by the trapezoid rule, normalised by the fraction span. curve: (B, S) -> (B,)."""
     widths = fractions[1:] - fractions[:-1]
