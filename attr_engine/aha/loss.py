@@ -196,6 +196,7 @@ def soft_auc_loss(
     anchor_span: float = 4.0,
     amp: bool = False,
     endpoints: tuple[torch.Tensor, torch.Tensor] | None = None,
+    drop_flat: bool = False,
 ) -> SoftAUC:
     """Differentiable deletion and insertion AUC of ``maps`` for ``classifier``.
 
@@ -219,6 +220,9 @@ def soft_auc_loss(
             cell removed whatever the map, so the curves' end values carry no gradient; with them given, the
             classifier runs only at the interior fractions (2 x (S - 2) passes per image instead of 2 x S).
             Test-time refinement computes them once for all its steps.
+        drop_flat: average the loss over the images whose curves are not flat (:func:`flat_curves`) instead of over
+            all: ``1 + mean(deletion - insertion)`` over those, which is the usual loss when none is flat; a flat
+            pair adds ~0 to the gradient but counts in the mean, diluting the rest. The AUCs returned are all.
 
     Returns:
         :class:`SoftAUC` with the scalar loss and per-image AUCs and curves.
@@ -249,7 +253,11 @@ def soft_auc_loss(
         curves = torch.cat((p_image, curves, p_ref), dim=1)
     aucs = trapezoid_auc(curves, fractions.to(curves.dtype))
     deletion, insertion = aucs[:bsz], aucs[bsz:]
-    loss = deletion.mean() + (1.0 - insertion).mean()
+    if drop_flat:
+        keep = (~flat_curves(curves[:bsz].detach(), curves[bsz:].detach())).to(aucs.dtype)
+        loss = 1.0 + ((deletion - insertion) * keep).sum() / keep.sum().clamp_min(1.0)
+    else:
+        loss = deletion.mean() + (1.0 - insertion).mean()
     if peak_weight > 0:
         loss = loss + peak_weight * peak_penalty(maps, peak_kernel)
     return SoftAUC(loss, deletion, insertion, curves[:bsz], curves[bsz:])

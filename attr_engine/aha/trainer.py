@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from attr_engine._training import collate_images_labels, warmup_cosine
-from attr_engine.aha.loss import curve_spread, flat_curves, soft_auc_loss
+from attr_engine.aha.loss import FLAT_SPREAD, curve_spread, flat_curves, soft_auc_loss
 from attr_engine.aha.persistence import Checkpointable, latest_training_checkpoint, save_training_checkpoint
 from attr_engine.aha.validation import EarlyStopping, Scored, ValData, check_val_data, score_validation
 from attr_engine.imageops import reference_image, scaled_blur
@@ -367,6 +367,7 @@ def _train_step(
     offset = tuple(torch.rand(2, generator=gen).tolist()) if cfg.random_offset else (0.0, 0.0)
     fractions = _draw_fractions(cfg.n_fractions, cfg.fraction_sampling, gen).to(x.device)
     kind = int(torch.randint(len(cfg.references), (1,), generator=gen))
+    per_image = torch.randint(len(cfg.references), (len(x),), generator=gen) if cfg.reference_draw == "image" else None
     # Per-sample noise seeds are consecutive from this one; ranks are spaced 2^20 apart so they never share noise.
     sorter_seed = int(torch.randint(0, 2**30, (1,), generator=gen)) + rank * 2**20
 
@@ -384,13 +385,22 @@ def _train_step(
     target = torch.cat(targets)
     xs = x.repeat(n_targets, 1, 1, 1)
     feats = [f.repeat(n_targets, 1, 1, 1) for f in feats]
-    choice = torch.full((len(xs),), kind)  # one reference for every curve
-    reference = reference_image(xs, cfg.references[kind], classifier.norm_mean, blur_kernel=blur_kernel,
-                                blur_sigma=blur_sigma)  # fmt: skip
+    blur = (blur_kernel, blur_sigma)
+    if cfg.reference_draw == "step":  # one reference for every curve, as drawn
+        choice = torch.full((len(xs),), kind)
+        reference = reference_image(xs, cfg.references[kind], classifier.norm_mean, blur_kernel=blur_kernel,
+                                    blur_sigma=blur_sigma)  # fmt: skip
+        endpoints = None
+    elif per_image is not None:
+        choice = per_image.repeat(n_targets)
+        reference, endpoints = _mixed_reference(aha, x, choice.to(x.device), blur), None
+    else:
+        choice, reference, endpoints = _signal_reference(aha, x, logits, target, kind, sorter_seed, blur)
     maps = model(feats, xs, target, aha.pullback_input(xs, target))
     result = soft_auc_loss(
         classifier, xs, maps, target, reference, grid=grid, fractions=fractions, tau=tau, offset=offset,
-        noise=cfg.noise, generator=sorter_seed, **cfg.loss_kwargs(),
+        noise=cfg.noise, generator=sorter_seed, endpoints=endpoints, drop_flat=cfg.reference_draw == "signal",
+        **cfg.loss_kwargs(),
     )  # fmt: skip
     result.loss.backward()
     stats = {
@@ -408,6 +418,65 @@ def _train_step(
         "flat": tuple(flat_curves(deletion, insertion).tolist()),
     }  # fmt: skip
     return stats, record
+
+
+def _reference_images(aha: Trainee, x: torch.Tensor, blur: tuple[int, float]) -> torch.Tensor:
+    """Every configured reference of each image: (R, B, C, H, W) for x (B, C, H, W), R = len(references)."""
+    mean, (kernel, sigma) = aha.classifier.norm_mean, blur
+    refs = aha.config.references
+    return torch.stack([reference_image(x, k, mean, blur_kernel=kernel, blur_sigma=sigma) for k in refs])
+
+
+def _mixed_reference(
+    aha: Trainee, x: torch.Tensor, choice: torch.Tensor, blur: tuple[int, float], stack: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The reference of each curve: ``references[choice[i]]`` of image ``i % B``. x: (B, C, H, W), choice: (B',)
+    on x's device, ``stack``: :func:`_reference_images` if already made -> (B', C, H, W)."""
+    stack = _reference_images(aha, x, blur) if stack is None else stack
+    return stack[choice, torch.arange(len(choice), device=x.device) % len(x)]
+
+
+def _signal_reference(
+    aha: Trainee,
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    kind: int,
+    seed: int,
+    blur: tuple[int, float],
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """``reference_draw="signal"``: the step's reference ``kind`` for every curve it moves, another one for a curve
+    it leaves flat.
+
+    A curve runs from the image's target probability to the reference's, so a reference within
+    :data:`~attr_engine.aha.loss.FLAT_SPREAD` of the image for that target leaves it (nearly) flat: such a curve
+    draws again among the references that differ by more (keeping ``kind`` where none does). One classifier pass
+    per image and reference, without autograd; the curves' ends then come from these passes (``endpoints``), which
+    spares the loss four passes per curve. The redraw's generator is seeded from ``seed``, so the training
+    generator draws as with "step".
+
+    Args:
+        x: (B, C, H, W) images; logits: (B, K) their logits; target: (B',) the class of each curve (B' = n B).
+
+    Returns:
+        ``(choice (B',) reference index per curve, reference (B', C, H, W), endpoints or None)``.
+    """
+    cfg, classifier = aha.config, aha.classifier
+    stack = _reference_images(aha, x, blur)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cfg.amp and x.is_cuda):
+        ref_logits = classifier.forward_trusted(stack.flatten(0, 1)).float()
+    n_refs, image = len(cfg.references), torch.arange(len(target), device=x.device) % len(x)
+    p_refs = ref_logits.softmax(-1).view(n_refs, len(x), -1)[:, image, target]  # (R, B')
+    p_image = logits.softmax(-1)[image, target]
+    moves = (p_refs - p_image).abs() >= FLAT_SPREAD
+    noise = torch.rand(len(target), n_refs, generator=torch.Generator().manual_seed(seed)).to(x.device)
+    # Among the references that move a curve, the one with the largest uniform draw: a uniform choice.
+    other = (noise * moves.T).argmax(dim=1)
+    choice = torch.where(~moves[kind] & moves.any(dim=0), other, torch.full_like(other, kind))
+    reference = _mixed_reference(aha, x, choice, blur, stack)
+    # A curve of two points is only its ends: the loss then needs them from the blends.
+    ends = (p_image, p_refs[choice, torch.arange(len(target), device=x.device)])
+    return choice, reference, ends if cfg.n_fractions > 2 else None
 
 
 def _draw_fractions(count: int, sampling: str, gen: torch.Generator) -> torch.Tensor:
