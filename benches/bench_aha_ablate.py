@@ -4,6 +4,7 @@
     python -u -m benches.bench_aha_ablate --data shapes --kind vit --family refs,image --cache reports/cache
     python -u -m benches.bench_aha_ablate --quick --data photos --kind resnet --out reports/ablate-quick  # smoke
     python -u -m benches.bench_aha_ablate --gap 50 --data photos --kind resnet --cache reports/cache  # issue #31
+    python -u -m benches.bench_aha_ablate --data shapes --kind resnet --family flat --cache reports/cache
 
 The classifier and the default AHA explainer are the leaderboard's (:func:`benches.bench_leaderboard.train`, same
 budget, seed and ``--cache`` key), so the ``default`` row of a table is the leaderboard's AHA (T=0). Every other row
@@ -44,6 +45,13 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
   trains that variant against the mean colour alone.
 - ``pullback-budget``: the ``budget`` family's early stopping for the pullback input with Pullback Ascent and the
   skip.
+- ``flat``: how a training step draws its references (``AHAConfig.reference_draw``): one per step (the default,
+  retrained here for its record: the config, seed and data of ``default``, so the same scores), one per image,
+  and by signal (a curve the step's reference leaves flat draws one that moves its target probability; curves
+  still flat leave the loss's mean); also the two-target pair (``targets="pred+label"``, the config's default)
+  per step and by signal. The notes give each row's share of flat steps (every curve's target probability
+  moving by less than 0.01) and of flat curves, per reference, and the decoder's median gradient norm on flat
+  and other steps (from ``fit``'s per-step record).
 
 ``--gap N`` (issue #31) replaces the families with the gap split on the first N test images: AHA T=0 and T=3,
 the per-image optimum of AHA's own objective (:meth:`AHA.optimise_maps`: a free map per image initialised from
@@ -65,6 +73,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -72,6 +81,7 @@ import torch
 
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.config import grid_rule
+from attr_engine.aha.trainer import History
 from attr_engine.data import PhotoCropsDataset, ShapesDataset
 from attr_engine.evaluate import Leaderboard, evaluate
 from attr_engine.explainer import Explainer, get_explainer
@@ -94,6 +104,7 @@ FAMILIES = (
     "padding",
     "pullback",
     "pullback-budget",
+    "flat",
 )
 # The budget family's cap, in multiples of the leaderboard's steps, and its held-out validation images.
 BUDGET_CAP = 4
@@ -183,6 +194,15 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
         }
     if family == "pullback-budget":
         return {"pullback input, ascent, skip, early stopping": {**ascent, "pullback_skip": True, "_val": True}}
+    if family == "flat":
+        pair = {"targets": "pred+label"}
+        return {
+            "reference per step": {"reference_draw": "step"},
+            "reference per image": {"reference_draw": "image"},
+            "reference by signal": {"reference_draw": "signal"},
+            "targets pred+label, reference per step": {**pair, "reference_draw": "step"},
+            "targets pred+label, reference by signal": {**pair, "reference_draw": "signal"},
+        }
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 
@@ -232,6 +252,36 @@ def stopping_note(name: str, history: dict, trained: int, cap: int) -> str:
     return (
         f"{name}: stopped after {trained} of at most {cap} steps; validation composite best {best[1]:.3f} at step "
         f"{int(best[0])} (weights of that step kept); curve {points}"
+    )
+
+
+def flat_record(history: History) -> dict:
+    """What the ``flat`` notes need of a run's per-step record, as JSON (kept in the variant's history.json):
+    each step's flat share and gradient norm, and flat and all curves per reference."""
+    by_reference: dict[str, list[int]] = {}
+    for record in history.steps:
+        for name, flat in zip(record.reference, record.flat, strict=True):
+            counts = by_reference.setdefault(name, [0, 0])
+            counts[0] += flat
+            counts[1] += 1
+    return {"flat_share": history["flat_share"], "grad_norm": history["grad_norm"], "flat_by_reference": by_reference}
+
+
+def flat_note(name: str, record: dict) -> str:
+    """One line: the share of flat steps and curves (per reference) and the median gradient norm of flat and other
+    steps, from :func:`flat_record`."""
+    shares, norms = record["flat_share"], record["grad_norm"]
+    flat = [g for s, g in zip(shares, norms, strict=True) if s == 1.0]
+    other = [g for s, g in zip(shares, norms, strict=True) if s < 1.0]
+    refs = ", ".join(f"{r} {f / n:.1%} of {n}" for r, (f, n) in sorted(record["flat_by_reference"].items()))
+
+    def median(values: list[float]) -> str:
+        return f"{statistics.median(values):.3g}" if values else "-"
+
+    return (
+        f"{name}: flat steps {len(flat)} of {len(shares)} ({len(flat) / max(1, len(shares)):.1%}), flat curves "
+        f"{statistics.fmean(shares) if shares else 0.0:.1%} (by reference: {refs}); median decoder gradient norm "
+        f"{median(flat)} on flat steps, {median(other)} on the others"
     )
 
 
@@ -378,16 +428,19 @@ def run(args: argparse.Namespace) -> Leaderboard:
             print(f"[{args.kind}] {name}: loaded from {folder}", flush=True)
         else:
             variant = AHA(classifier, config)
-            history = variant.fit(train_set, batch_size=8, epochs=100, max_steps=steps, progress=False, val=val)
+            fitted = variant.fit(train_set, batch_size=8, epochs=100, max_steps=steps, progress=False, val=val)
+            history = {**{k: v for k, v in fitted.items() if "val" in k}, "flat": flat_record(fitted)}
             if folder is not None:
                 variant.save(folder)
-                (folder / "history.json").write_text(json.dumps({k: v for k, v in history.items() if "val" in k}))
+                (folder / "history.json").write_text(json.dumps(history))
         seconds = time.perf_counter() - start
         print(f"[{args.kind}] {name}: {variant.steps_trained} steps in {seconds:.0f} s", flush=True)
         methods[name] = get_explainer("aha", classifier, aha=variant)
         notes.append(f"{name}: {overrides or ''} {steps} steps ({seconds:.0f} s)".replace("  ", " "))
         if history.get("val_step"):
             notes.append(stopping_note(name, history, variant.steps_trained, steps))
+        if "reference_draw" in overrides:
+            notes.append(flat_note(name, history["flat"]) if "flat" in history else f"{name}: no step record kept")
     options = {"integrated-gradients": {"n_steps": budget.ig_steps}}
     for name in PEERS:
         methods[name] = get_explainer(name, classifier, **options.get(name, {}))

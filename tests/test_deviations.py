@@ -25,6 +25,7 @@ ENTRIES = (
     "reference-distance term",
     "Decoder padding",
     "pullback input",
+    "reference drawn per image or by signal",
     "Max-pool padding",
     "model's own head",  # LeGrad (issue #23)
     "A constant map is zero",

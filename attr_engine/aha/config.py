@@ -20,6 +20,8 @@ DECODER_PADDINGS = ("zeros", "replicate")
 FRACTION_SAMPLING = ("linspace", "random")
 TARGET_MODES = ("pred+label", "pred")
 SCORE_NORMS = ("raw", "zscore")
+# How a training step draws the reference of each curve (see AHAConfig.reference_draw).
+REFERENCE_DRAWS = ("step", "image", "signal")
 # What test-time refinement steps (AHA._refine): the map itself, or per-image copies of the decoder's last layers.
 REFINE_MODES = ("map", "decoder")
 
@@ -84,6 +86,9 @@ class AHAConfig:
         n_fractions: perturbation fractions S per curve (16). [official]
         fraction_sampling: "linspace" (fixed, with endpoints) or "random" (sorted uniform plus endpoints). [official]
         references: reference images drawn from each step ("black", "mean", "blur"). [official]
+        reference_draw: how ``references`` are drawn: "step" (one for the whole step), "image" (one per image) or
+            "signal" (the step's, except for a curve it leaves flat: one that moves that curve's target
+            probability, and flat curves left out of the loss's mean) ("step"). [official]
         peak_weight: weight of the peak penalty mean(relu(A - avgpool(A))^2) (0.0025). [official]
         peak_kernel: peak-penalty window in px; None = 15 px at 224 px, odd, >= 3. [scaled]
         mask_sigma: Gaussian blur (px) of the upsampled masks before blending; None = 1.0 at 224 px, 0 = off. [scaled]
@@ -133,6 +138,7 @@ class AHAConfig:
     n_fractions: int = 16
     fraction_sampling: str = "linspace"
     references: tuple[str, ...] = REFERENCES
+    reference_draw: str = "step"
     peak_weight: float = 0.0025
     peak_kernel: int | None = None
     mask_sigma: float | None = None
@@ -225,6 +231,8 @@ class AHAConfig:
         put("references", tuple(self.references))
         if not self.references or any(r not in REFERENCES for r in self.references):
             raise ValueError(f"references must be a non-empty subset of {REFERENCES}, got {self.references!r}")
+        if self.reference_draw not in REFERENCE_DRAWS:
+            raise ValueError(f"reference_draw must be one of {REFERENCE_DRAWS}, got {self.reference_draw!r}")
         if self.score_norm not in SCORE_NORMS:
             raise ValueError(f"score_norm must be one of {SCORE_NORMS}, got {self.score_norm!r}")
         put("anchor_span", check_positive(self.anchor_span, "anchor_span"))

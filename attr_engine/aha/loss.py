@@ -48,6 +48,27 @@ class SoftAUC:
     insertion_curve: torch.Tensor
 
 
+# A curve whose target probability moves by less than this (one percentage point) between its lowest and highest
+# point is flat: its AUC hardly depends on the map, so it gives the decoder (almost) no gradient.
+FLAT_SPREAD = 0.01
+
+
+def curve_spread(curves: torch.Tensor) -> torch.Tensor:
+    """How far the target probability moves along each curve: max - min over the fractions. (B, S) -> (B,)."""
+    return curves.amax(dim=1) - curves.amin(dim=1)
+
+
+def flat_curves(deletion: torch.Tensor, insertion: torch.Tensor, eps: float = FLAT_SPREAD) -> torch.Tensor:
+    """(B,) bool: each image's deletion and insertion curves, (B, S) each, both spread less than ``eps``.
+
+    Both curves run from the image (fraction 0) to the reference (fraction 1), so each spreads at least
+    ``|p(x) - p(r)|``: a flat pair needs a reference the classifier scores like the image for that target. Both
+    AUCs then lie within ``eps`` of ``p(x)``, so the pair's loss term ``deletion + (1 - insertion)`` is 1 up to
+    ``2 eps`` whatever the map, and its gradient is as small.
+    """
+    return (curve_spread(deletion) < eps) & (curve_spread(insertion) < eps)
+
+
 def trapezoid_auc(curve: torch.Tensor, fractions: torch.Tensor) -> torch.Tensor:
     """Area under (fractions, curve) by the trapezoid rule, normalised by the fraction span. curve: (B, S) -> (B,)."""
     widths = fractions[1:] - fractions[:-1]
@@ -175,6 +196,7 @@ def soft_auc_loss(
     anchor_span: float = 4.0,
     amp: bool = False,
     endpoints: tuple[torch.Tensor, torch.Tensor] | None = None,
+    drop_flat: bool = False,
 ) -> SoftAUC:
     """Differentiable deletion and insertion AUC of ``maps`` for ``classifier``.
 
@@ -199,6 +221,9 @@ def soft_auc_loss(
             cell removed whatever the map, so the curves' end values carry no gradient; with them given, the
             classifier runs only at the interior fractions (2 x (S - 2) passes per image instead of 2 x S).
             Test-time refinement computes them once for all its steps.
+        drop_flat: average the loss over the images whose curves are not flat (:func:`flat_curves`) instead of over
+            all: ``1 + mean(deletion - insertion)`` over those, which is the usual loss when none is flat; a flat
+            pair adds ~0 to the gradient but counts in the mean, diluting the rest. The AUCs returned are all.
 
     Returns:
         :class:`SoftAUC` with the scalar loss and per-image AUCs and curves.
@@ -229,7 +254,11 @@ def soft_auc_loss(
         curves = torch.cat((p_image, curves, p_ref), dim=1)
     aucs = trapezoid_auc(curves, fractions.to(curves.dtype))
     deletion, insertion = aucs[:bsz], aucs[bsz:]
-    loss = deletion.mean() + (1.0 - insertion).mean()
+    if drop_flat:
+        keep = (~flat_curves(curves[:bsz].detach(), curves[bsz:].detach())).to(aucs.dtype)
+        loss = 1.0 + ((deletion - insertion) * keep).sum() / keep.sum().clamp_min(1.0)
+    else:
+        loss = deletion.mean() + (1.0 - insertion).mean()
     if peak_weight > 0:
         loss = loss + peak_weight * peak_penalty(maps, peak_kernel)
     return SoftAUC(loss, deletion, insertion, curves[:bsz], curves[bsz:])

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from attr_engine._training import collate_images_labels, warmup_cosine
-from attr_engine.aha.loss import soft_auc_loss
+from attr_engine.aha.loss import FLAT_SPREAD, curve_spread, flat_curves, soft_auc_loss
 from attr_engine.aha.persistence import Checkpointable, latest_training_checkpoint, save_training_checkpoint
 from attr_engine.aha.validation import EarlyStopping, Scored, ValData, check_val_data, score_validation
 from attr_engine.guards import check_count
@@ -57,6 +58,60 @@ class Trainee(Checkpointable, Scored, Protocol):
 
 # The cap of a run with a validation set when neither ``epochs`` nor ``max_steps`` is given (see fit's docstring).
 VAL_EPOCHS_CAP = 10
+# The per-step lists of fit's history: the batch's mean loss and soft AUCs, the temperature and learning rate, the
+# grid side, the share of flat curve pairs (StepRecord.flat_share) and the decoder's gradient norm before clipping.
+STEP_KEYS = ("loss", "deletion", "insertion", "tau", "lr", "grid", "flat_share", "grad_norm")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one training step drew, and whether its curves carried a training signal.
+
+    Taken from what the step computed anyway (no extra classifier pass). The per-curve tuples have one entry per
+    (target, image) pair, in the loss's order: the batch's images for the predicted class, then (``targets=
+    "pred+label"``) the same images for the label or the runner-up.
+
+    Attributes:
+        step: the optimiser step (0 = the first of the whole training, a resumed run's earlier steps counted).
+        reference: each curve's reference ("black", "mean" or "blur"; one for the whole step by default).
+        grid: the region grid side g; offset: its sub-cell shift; fractions: the curves' fractions (S,).
+        images: the dataset indices of the batch (None when ``fit`` was given a DataLoader).
+        targets: the class each curve explains.
+        p_image, p_reference: each curve's first and last point: the target probability of the image (fraction 0)
+            and of the reference (fraction 1).
+        deletion_spread, insertion_spread: max - min of the target probability along each curve.
+        flat: each pair of curves flat (:func:`~attr_engine.aha.loss.flat_curves`): its loss term is 1 whatever
+            the map.
+        grad_norm: the norm of the decoder's gradient, before clipping.
+    """
+
+    step: int
+    reference: tuple[str, ...]
+    grid: int
+    offset: tuple[float, float]
+    fractions: tuple[float, ...]
+    images: tuple[int, ...] | None
+    targets: tuple[int, ...]
+    p_image: tuple[float, ...]
+    p_reference: tuple[float, ...]
+    deletion_spread: tuple[float, ...]
+    insertion_spread: tuple[float, ...]
+    flat: tuple[bool, ...]
+    grad_norm: float
+
+    @property
+    def flat_share(self) -> float:
+        """The share of the step's curve pairs that are flat; 1.0 makes the step flat (no signal at all)."""
+        return sum(self.flat) / len(self.flat)
+
+
+class History(dict[str, list[float]]):
+    """What :func:`fit` returns: per-step lists by name (a dict, see its Returns) and ``steps``, one
+    :class:`StepRecord` per step of this run."""
+
+    def __init__(self, lists: dict[str, list[float]]) -> None:
+        super().__init__(lists)
+        self.steps: list[StepRecord] = []
 
 
 def fit(
@@ -72,7 +127,7 @@ def fit(
     num_workers: int = 0,
     progress: bool = True,
     val: ValData | None = None,
-) -> dict[str, list[float]]:
+) -> History:
     """Train ``aha``'s decoder.
 
     Budget: without ``val``, ``epochs`` passes over the data (default 1), at most ``max_steps`` steps. With ``val``
@@ -95,10 +150,10 @@ def fit(
             or DataLoader as ``data``, images (N, 3, H, W) or a tuple of tensors; DDP ranks share it.
 
     Returns:
-        Per-step history: ``loss``, ``deletion``, ``insertion``, ``tau``, ``lr`` (this run's steps). With ``val``
-        also one entry per score over the whole curve (a resumed run's included; also in the checkpoint's
-        ``config.json`` under ``validation``): ``val_step``, ``val_composite``, ``val_deletion``, ``val_insertion``,
-        ``val_loss`` (mean training loss since the previous score; NaN before the first step).
+        A :class:`History`: per-step lists (this run's) :data:`STEP_KEYS` and, in ``steps``, a :class:`StepRecord`
+        per step. With ``val`` also one entry per score over the whole curve (a resumed run's included; also in
+        the checkpoint's ``config.json`` under ``validation``): ``val_step``, ``val_composite``, ``val_deletion``,
+        ``val_insertion``, ``val_loss`` (mean training loss since the previous score; NaN before the first step).
 
     Raises:
         ValueError: a bad count, an empty or unusable ``val``, or a ``resume`` checkpoint of a run with a validation
@@ -140,7 +195,9 @@ def fit(
     finally:
         loop.bar.close()
         decoder.eval()
-    return {**loop.history, **(stopper.history() if stopper is not None else {})}
+    if stopper is not None:
+        loop.history.update(stopper.history())
+    return loop.history
 
 
 def _check_fit_args(
@@ -190,7 +247,7 @@ class _Loop:
         self.stopper, self.val, self.val_images = stopper, val, val_images
         self.batch_size, self.num_workers = batch_size, num_workers
         self.checkpoint_dir, self.checkpoint_every, self.lineage = checkpoint_dir, checkpoint_every, lineage
-        self.history: dict[str, list[float]] = {k: [] for k in ("loss", "deletion", "insertion", "tau", "lr")}
+        self.history = History({k: [] for k in STEP_KEYS})
         self.bar = tqdm(total=total, initial=step, desc="AHA", disable=not progress or rank != 0, dynamic_ncols=True)
         self.blur_kernel, self.blur_sigma = scaled_blur(aha.img_size)
         # The bar's figures: the latest step's soft AUCs and, with validation, the latest score (``val``).
@@ -209,8 +266,8 @@ class _Loop:
             epoch, skip = divmod(self.step, per_epoch)
             batches = _epoch_batches(data, epoch, skip, self.batch_size, self.rank, self.world, cfg.seed,
                                      self.num_workers)  # fmt: skip
-            for x, labels in batches:
-                self.optimise(x, labels)
+            for x, labels, indices in batches:
+                self.optimise(x, labels, indices)
                 if self.stopper is not None and self.step % cfg.val_every == 0:
                     self.evaluate()
                 every = self.checkpoint_every
@@ -220,20 +277,26 @@ class _Loop:
                     break
         self.finish()
 
-    def optimise(self, x: torch.Tensor, labels: torch.Tensor) -> None:
-        """One optimiser step on the batch, with its history entry and progress."""
+    def optimise(self, x: torch.Tensor, labels: torch.Tensor, indices: tuple[int, ...] | None) -> None:
+        """One optimiser step on the batch (``indices``: its dataset indices, if known), with its history entry,
+        its :class:`StepRecord` and progress."""
         aha, cfg, device = self.aha, self.aha.config, self.aha.device
         x, labels = x.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         tau = cfg.tau_start + (cfg.tau_end - cfg.tau_start) * self.step / max(1, self.total - 1)
-        stats = _train_step(aha, self.model, x, labels, tau, self.gen, self.rank, self.blur_kernel, self.blur_sigma)
-        torch.nn.utils.clip_grad_norm_(aha.decoder.parameters(), cfg.grad_clip or float("inf"))
+        stats, drawn = _train_step(aha, self.model, x, labels, tau, self.gen, self.rank, self.blur_kernel,
+                                   self.blur_sigma)  # fmt: skip
+        norm = torch.nn.utils.clip_grad_norm_(aha.decoder.parameters(), cfg.grad_clip or float("inf"))
+        record = StepRecord(step=self.step, images=indices, grad_norm=float(norm), **drawn)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         aha.steps_trained += 1
-        for key, value in (*stats.items(), ("tau", tau), ("lr", float(self.scheduler.get_last_lr()[0]))):
+        stats.update(tau=tau, lr=float(self.scheduler.get_last_lr()[0]), grid=float(record.grid),
+                     flat_share=record.flat_share, grad_norm=record.grad_norm)  # fmt: skip
+        for key, value in stats.items():
             self.history[key].append(value)
+        self.history.steps.append(record)
         if self.stopper is not None:
             self.stopper.add_loss(stats["loss"])
         self.bar.update(1)
@@ -291,8 +354,9 @@ def _train_step(
     rank: int,
     blur_kernel: int,
     blur_sigma: float,
-) -> dict[str, float]:
-    """One forward/backward of the soft-AUC objective; returns batch means for the history."""
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """One forward/backward of the soft-AUC objective; returns batch means for the history and the
+    :class:`StepRecord` fields the step knows (all but ``step``, ``images`` and ``grad_norm``)."""
     cfg = aha.config
     classifier = aha.classifier
     lo, hi = cfg.grid_range  # type: ignore[misc]
@@ -302,7 +366,8 @@ def _train_step(
     grid = min(int(torch.randint(lo, hi + 1, (1,), generator=gen)), fits)
     offset = tuple(torch.rand(2, generator=gen).tolist()) if cfg.random_offset else (0.0, 0.0)
     fractions = _draw_fractions(cfg.n_fractions, cfg.fraction_sampling, gen).to(x.device)
-    kind = cfg.references[int(torch.randint(len(cfg.references), (1,), generator=gen))]
+    kind = int(torch.randint(len(cfg.references), (1,), generator=gen))
+    per_image = torch.randint(len(cfg.references), (len(x),), generator=gen) if cfg.reference_draw == "image" else None
     # Per-sample noise seeds are consecutive from this one; ranks are spaced 2^20 apart so they never share noise.
     sorter_seed = int(torch.randint(0, 2**30, (1,), generator=gen)) + rank * 2**20
 
@@ -320,18 +385,98 @@ def _train_step(
     target = torch.cat(targets)
     xs = x.repeat(n_targets, 1, 1, 1)
     feats = [f.repeat(n_targets, 1, 1, 1) for f in feats]
-    reference = reference_image(xs, kind, classifier.norm_mean, blur_kernel=blur_kernel, blur_sigma=blur_sigma)
+    blur = (blur_kernel, blur_sigma)
+    if cfg.reference_draw == "step":  # one reference for every curve, as drawn
+        choice = torch.full((len(xs),), kind)
+        reference = reference_image(xs, cfg.references[kind], classifier.norm_mean, blur_kernel=blur_kernel,
+                                    blur_sigma=blur_sigma)  # fmt: skip
+        endpoints = None
+    elif per_image is not None:
+        choice = per_image.repeat(n_targets)
+        reference, endpoints = _mixed_reference(aha, x, choice.to(x.device), blur), None
+    else:
+        choice, reference, endpoints = _signal_reference(aha, x, logits, target, kind, sorter_seed, blur)
     maps = model(feats, xs, target, aha.pullback_input(xs, target))
     result = soft_auc_loss(
         classifier, xs, maps, target, reference, grid=grid, fractions=fractions, tau=tau, offset=offset,
-        noise=cfg.noise, generator=sorter_seed, **cfg.loss_kwargs(),
+        noise=cfg.noise, generator=sorter_seed, endpoints=endpoints, drop_flat=cfg.reference_draw == "signal",
+        **cfg.loss_kwargs(),
     )  # fmt: skip
     result.loss.backward()
-    return {
+    stats = {
         "loss": result.loss.item(),
         "deletion": result.deletion.mean().item(),
         "insertion": result.insertion.mean().item(),
     }
+    deletion, insertion = result.deletion_curve.detach(), result.insertion_curve.detach()
+    record = {
+        "reference": tuple(cfg.references[i] for i in choice.tolist()), "grid": grid, "offset": offset,
+        "fractions": tuple(fractions.tolist()), "targets": tuple(target.tolist()),
+        "p_image": tuple(deletion[:, 0].tolist()), "p_reference": tuple(deletion[:, -1].tolist()),
+        "deletion_spread": tuple(curve_spread(deletion).tolist()),
+        "insertion_spread": tuple(curve_spread(insertion).tolist()),
+        "flat": tuple(flat_curves(deletion, insertion).tolist()),
+    }  # fmt: skip
+    return stats, record
+
+
+def _reference_images(aha: Trainee, x: torch.Tensor, blur: tuple[int, float]) -> torch.Tensor:
+    """Every configured reference of each image: (R, B, C, H, W) for x (B, C, H, W), R = len(references)."""
+    mean, (kernel, sigma) = aha.classifier.norm_mean, blur
+    refs = aha.config.references
+    return torch.stack([reference_image(x, k, mean, blur_kernel=kernel, blur_sigma=sigma) for k in refs])
+
+
+def _mixed_reference(
+    aha: Trainee, x: torch.Tensor, choice: torch.Tensor, blur: tuple[int, float], stack: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The reference of each curve: ``references[choice[i]]`` of image ``i % B``. x: (B, C, H, W), choice: (B',)
+    on x's device, ``stack``: :func:`_reference_images` if already made -> (B', C, H, W)."""
+    stack = _reference_images(aha, x, blur) if stack is None else stack
+    return stack[choice, torch.arange(len(choice), device=x.device) % len(x)]
+
+
+def _signal_reference(
+    aha: Trainee,
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    kind: int,
+    seed: int,
+    blur: tuple[int, float],
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """``reference_draw="signal"``: the step's reference ``kind`` for every curve it moves, another one for a curve
+    it leaves flat.
+
+    A curve runs from the image's target probability to the reference's, so a reference within
+    :data:`~attr_engine.aha.loss.FLAT_SPREAD` of the image for that target leaves it (nearly) flat: such a curve
+    draws again among the references that differ by more (keeping ``kind`` where none does). One classifier pass
+    per image and reference, without autograd; the curves' ends then come from these passes (``endpoints``), which
+    spares the loss four passes per curve. The redraw's generator is seeded from ``seed``, so the training
+    generator draws as with "step".
+
+    Args:
+        x: (B, C, H, W) images; logits: (B, K) their logits; target: (B',) the class of each curve (B' = n B).
+
+    Returns:
+        ``(choice (B',) reference index per curve, reference (B', C, H, W), endpoints or None)``.
+    """
+    cfg, classifier = aha.config, aha.classifier
+    stack = _reference_images(aha, x, blur)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cfg.amp and x.is_cuda):
+        ref_logits = classifier.forward_trusted(stack.flatten(0, 1)).float()
+    n_refs, image = len(cfg.references), torch.arange(len(target), device=x.device) % len(x)
+    p_refs = ref_logits.softmax(-1).view(n_refs, len(x), -1)[:, image, target]  # (R, B')
+    p_image = logits.softmax(-1)[image, target]
+    moves = (p_refs - p_image).abs() >= FLAT_SPREAD
+    noise = torch.rand(len(target), n_refs, generator=torch.Generator().manual_seed(seed)).to(x.device)
+    # Among the references that move a curve, the one with the largest uniform draw: a uniform choice.
+    other = (noise * moves.T).argmax(dim=1)
+    choice = torch.where(~moves[kind] & moves.any(dim=0), other, torch.full_like(other, kind))
+    reference = _mixed_reference(aha, x, choice, blur, stack)
+    # A curve of two points is only its ends: the loss then needs them from the blends.
+    ends = (p_image, p_refs[choice, torch.arange(len(target), device=x.device)])
+    return choice, reference, ends if cfg.n_fractions > 2 else None
 
 
 def _draw_fractions(count: int, sampling: str, gen: torch.Generator) -> torch.Tensor:
@@ -361,19 +506,21 @@ def _epoch_batches(
     world: int,
     seed: int,
     num_workers: int,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The batches of ``epoch`` from batch ``skip`` on, for this rank."""
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple[int, ...] | None]]:
+    """The batches ``(images, labels, dataset indices)`` of ``epoch`` from batch ``skip`` on, for this rank (the
+    indices None for a DataLoader, whose order is its own)."""
     if isinstance(data, DataLoader):
         for i, batch in enumerate(data):
             if i >= skip:
-                yield _split_batch(batch)
+                yield (*_split_batch(batch), None)
         return
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed + 7919 * epoch))  # type: ignore[arg-type]
     usable = (len(order) // world) // batch_size * batch_size * world
     mine = order[:usable][rank::world].tolist()
     batches = [mine[i : i + batch_size] for i in range(skip * batch_size, len(mine), batch_size)]
     loader = DataLoader(data, batch_sampler=batches, collate_fn=collate_images_labels, num_workers=num_workers)
-    yield from loader
+    for indices, (x, labels) in zip(batches, loader, strict=True):
+        yield x, labels, tuple(indices)
 
 
 def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
