@@ -566,7 +566,9 @@ def _name_and_checkpoint(
         name = os.fspath(name)
     if isinstance(name, str):
         check_model_name_path(name)
-    if checkpoint is not None:
+    # A transformers model never loads from checkpoint=: _load_named says so, whether or not the file exists.
+    hf = isinstance(name, str) and split_source(name)[0] == "hf"
+    if checkpoint is not None and not hf:
         check_checkpoint_file(checkpoint)
     return name, checkpoint
 
