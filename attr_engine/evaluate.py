@@ -461,6 +461,15 @@ def _timed_maps(
     return torch.cat(maps), torch.cat(channels) if channels else None, 1e3 * seconds / len(x)
 
 
+def _check_classifier(classifier: Any) -> None:
+    """A loaded :class:`Classifier`, or a one-line error that names what to call first (a name or a path given)."""
+    if not isinstance(classifier, Classifier):
+        raise ValueError(
+            f"classifier must be an attr_engine Classifier, got {type(classifier).__name__}"
+            f"{not_a_classifier_hint(classifier)}"
+        )
+
+
 def evaluate(
     classifier: Classifier,
     methods: Mapping[str, Explainer | str | Callable[..., torch.Tensor]] | Sequence[Explainer | str],
@@ -505,11 +514,7 @@ def evaluate(
         ValueError: unknown metric or method names, localisation metrics asked for without masks, ``target="label"``
             without labels, bad data.
     """
-    if not isinstance(classifier, Classifier):
-        raise ValueError(
-            f"classifier must be an attr_engine Classifier, got {type(classifier).__name__}"
-            f"{not_a_classifier_hint(classifier)}"
-        )
+    _check_classifier(classifier)
     if target not in ("pred", "label"):
         raise ValueError(f"target must be 'pred' or 'label', got {target!r}")
     check_int_at_least(batch_size, "batch_size", 1)
