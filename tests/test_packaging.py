@@ -102,7 +102,7 @@ def test_the_wheel_installs_only_names_of_its_own(wheel):
     assert tops == {"attr_engine", "attr_engine_kernels"}
 
 
-def test_every_package_folder_is_listed(tmp_path):
+def test_every_package_folder_is_listed():
     """pyproject.toml lists the packages (find_packages cannot follow the kernels' folder mapping): a new
     subpackage left out of the list would be missing from the wheel."""
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]

@@ -18,7 +18,7 @@ from attr_engine.cli._common import (
     resolve_method,
     work_started,
 )
-from attr_engine.guards import check_aha_dir, check_export_side
+from attr_engine.guards import check_aha_dir, check_crop_pct, check_export_side
 
 
 def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
@@ -69,8 +69,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("export needs a trained explainer: pass --aha DIR (train-aha or demo output)")
     if args.img_size is not None:
         check_export_side(args.img_size, flag="--img-size")
-    if args.crop_pct is not None and not 0.0 < args.crop_pct <= 1.0:
-        raise UsageError(f"--crop-pct must be in (0, 1], got {args.crop_pct}")
+    if args.crop_pct is not None:
+        check_crop_pct(args.crop_pct, "--crop-pct")
     if Path(args.output).is_dir():
         raise UsageError(f"--output {args.output} is a directory; name the file to write")
     if args.class_names is not None and Path(args.class_names).is_dir():
