@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import attr_engine_kernels as kernels
+import attr_engine_kernels
 from attr_engine_kernels import aot
 from attr_engine_kernels._backend import HAS_TRITON
 
@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _all_kernels() -> set[str]:
     """Names of every launchable @triton.jit kernel in the kernels package (helpers end in anything but _kernel)."""
     names = set()
-    for info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"kernels.{info.name}")
+    for info in pkgutil.iter_modules(attr_engine_kernels.__path__):
+        module = importlib.import_module(f"attr_engine_kernels.{info.name}")
         for name, obj in vars(module).items():
             fn = getattr(obj, "fn", None)  # a JITFunction (or the interpreter's stand-in) wraps the Python function
             if name.endswith("_kernel") and fn is not None and fn.__module__ == module.__name__:
