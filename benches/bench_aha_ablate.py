@@ -5,6 +5,7 @@
     python -u -m benches.bench_aha_ablate --quick --data photos --kind resnet --out reports/ablate-quick  # smoke
     python -u -m benches.bench_aha_ablate --gap 50 --data photos --kind resnet --cache reports/cache  # issue #31
     python -u -m benches.bench_aha_ablate --data shapes --kind resnet --family flat --cache reports/cache
+    python -u -m benches.bench_aha_ablate --data photos --kind vit --family stride --cache reports/cache
 
 The classifier and the default AHA explainer are the leaderboard's (:func:`benches.bench_leaderboard.train`, same
 budget, seed and ``--cache`` key), so the ``default`` row of a table is the leaderboard's AHA (T=0). Every other row
@@ -52,6 +53,10 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
   per step and by signal. The notes give each row's share of flat steps (every curve's target probability
   moving by less than 0.01) and of flat curves, per reference, and the decoder's median gradient norm on flat
   and other steps (from ``fit``'s per-step record).
+
+- ``stride``: the decoder at 1/4 and 1/8 of the input side (``AHAConfig.decoder_stride``), its map brought to the
+  input's by the guided (joint bilateral) or the bilinear upsampling (``decoder_upsample``): what the cheaper
+  decoder costs in faithfulness against the full-resolution ``default``.
 
 ``--gap N`` (issue #31) replaces the families with the gap split on the first N test images: AHA T=0 and T=3,
 the per-image optimum of AHA's own objective (:meth:`AHA.optimise_maps`: a free map per image initialised from
@@ -105,6 +110,7 @@ FAMILIES = (
     "pullback",
     "pullback-budget",
     "flat",
+    "stride",
 )
 # The budget family's cap, in multiples of the leaderboard's steps, and its held-out validation images.
 BUDGET_CAP = 4
@@ -202,6 +208,12 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
             "reference by signal": {"reference_draw": "signal"},
             "targets pred+label, reference per step": {**pair, "reference_draw": "step"},
             "targets pred+label, reference by signal": {**pair, "reference_draw": "signal"},
+        }
+    if family == "stride":
+        return {
+            f"stride {stride}, {upsample}": {"decoder_stride": stride, "decoder_upsample": upsample}
+            for stride in (4, 8)
+            for upsample in ("guided", "bilinear")
         }
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 

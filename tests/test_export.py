@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from attr_engine.aha import AHA
+from attr_engine.aha import AHA, AHAConfig
 from attr_engine.classifier import classifier_fingerprint
 from attr_engine.cli import main
 from attr_engine.explainer import get_explainer
@@ -80,6 +80,24 @@ def test_onnxruntime_matches_eager_at_other_batch_sizes(exported) -> None:
         np.testing.assert_allclose(logits, eager_logits.numpy(), **LOGIT_TOL)
         np.testing.assert_array_equal(logits.argmax(1), eager_logits.argmax(1).numpy())
         np.testing.assert_allclose(maps, eager_maps.numpy(), rtol=0, atol=MAP_ATOL)
+
+
+@pytest.mark.parametrize("family", ZOO)
+def test_the_low_resolution_decoder_exports_on_every_family(family, request, tmp_path) -> None:
+    """AHAConfig.decoder_stride 4 with the guided upsampling (pixel unshuffle, averaged taps, the 3 x 3 softmax
+    weights): the same maps in onnxruntime as eager; on the CNNs at a side that is not a multiple of the stride (the
+    ViTs take their own side only)."""
+    classifier = request.getfixturevalue(family)
+    side = 32 if "vit" in family else 30
+    aha = AHA(classifier, AHAConfig(decoder_dim=8, class_dim=4, decoder_stride=4), img_size=side)
+    session = _session(aha.export(tmp_path / "aha.onnx"))
+    x = torch.nn.functional.interpolate(_images(3), size=(side, side), mode="bilinear")
+    logits, maps = _run(session, x, [-1, 1, -1])
+    eager_logits, _ = aha.predict_and_explain(x)
+    classes = [int(eager_logits[0].argmax()), 1, int(eager_logits[2].argmax())]
+    assert maps.shape == (3, side, side)
+    np.testing.assert_allclose(logits, eager_logits.numpy(), **LOGIT_TOL)
+    np.testing.assert_allclose(maps, aha.attribute(x, target=classes).numpy(), rtol=0, atol=MAP_ATOL)
 
 
 def test_the_target_input_picks_the_class_per_image(exported) -> None:

@@ -16,6 +16,10 @@ from attr_engine_kernels.validate import check_bool, check_int, check_int_at_lea
 # The decoder designs (attr_engine.aha.network.Decoder's ``kind``) and how its convolutions pad the frame.
 DECODERS = ("full", "light")
 DECODER_PADDINGS = ("zeros", "replicate")
+# The decoder's output resolution, as the input side over the output side (AHAConfig.decoder_stride), and how a
+# lower-resolution output is brought to the input's (AHAConfig.decoder_upsample).
+DECODER_STRIDES = (1, 2, 4, 8)
+DECODER_UPSAMPLES = ("guided", "bilinear")
 
 FRACTION_SAMPLING = ("linspace", "random")
 TARGET_MODES = ("pred+label", "pred")
@@ -67,6 +71,14 @@ class AHAConfig:
         decoder: "full" (3x3 convolutions) or "light" (depthwise-separable stages at high resolution). [project]
         decoder_padding: how the decoder's 3x3 convolutions pad the frame: "zeros" or "replicate" (the edge
             pixels repeated, so the frame's outer rows see no artificial dark border) ("zeros"). [measured]
+        decoder_stride: the decoder runs at 1/``decoder_stride`` of the input side (1, 2, 4 or 8): its image stem
+            reads the image's ``stride x stride`` pixel blocks as channels, its upsampling and head stop there, and
+            the map is brought to the input resolution by ``decoder_upsample``; the decoder's cost then follows
+            the backbone's grid, not the image's pixels (1: the full-resolution decoder). [project]
+        decoder_upsample: how a ``decoder_stride`` > 1 map reaches the input resolution: "guided" (each pixel a
+            softmax-weighted mean of the 3 x 3 nearest low-resolution scores, weighted by distance and by how close
+            the pixel's colour is to each cell's mean colour, with a learned colour scale: a joint bilateral
+            upsampling that keeps object boundaries) or "bilinear" ("guided"). [project]
         reference_distance: add a learned multiple of log(|x - r|) to the map, r the mean colour, to order the
             pixels inside a cell (False). [measured]
         pullback_input: the decoder also sees the classifier's pullback for the target class, as two channels
@@ -124,6 +136,8 @@ class AHAConfig:
     image_dim: int | None = None
     decoder: str = "full"
     decoder_padding: str = "zeros"
+    decoder_stride: int = 1
+    decoder_upsample: str = "guided"
     reference_distance: bool = False
     pullback_input: bool = False
     pullback_method: str = "soft"
@@ -192,6 +206,10 @@ class AHAConfig:
             raise ValueError(f"decoder must be one of {DECODERS}, got {self.decoder!r}")
         if self.decoder_padding not in DECODER_PADDINGS:
             raise ValueError(f"decoder_padding must be one of {DECODER_PADDINGS}, got {self.decoder_padding!r}")
+        if check_int(self.decoder_stride, "decoder_stride") not in DECODER_STRIDES:
+            raise ValueError(f"decoder_stride must be one of {DECODER_STRIDES}, got {self.decoder_stride!r}")
+        if self.decoder_upsample not in DECODER_UPSAMPLES:
+            raise ValueError(f"decoder_upsample must be one of {DECODER_UPSAMPLES}, got {self.decoder_upsample!r}")
         if self.pullback_method not in PULLBACK_METHODS:
             raise ValueError(f"pullback_method must be one of {PULLBACK_METHODS}, got {self.pullback_method!r}")
         if self.pullback_skip and not self.pullback_input:

@@ -1,0 +1,134 @@
+"""AHAConfig.decoder_stride / decoder_upsample: the decoder at a fraction of the input side, the map brought back by a
+guided (joint bilateral) or bilinear upsampling.
+
+What a bug would break: the convolutions running at full resolution anyway (the hidden activations' size), a
+ragged side losing its last pixels, the guided upsampling following the cell grid instead of the image's edges or
+not reproducing a constant map, the upsampler's scales not training, a checkpoint forgetting the stride, refinement
+or an older checkpoint failing. Export parity for every classifier family is in tests/test_export.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attr_engine.aha import AHA, AHAConfig
+from attr_engine.aha.network import Decoder, GuidedUpsample, PerImageTail
+from attr_engine.aha.persistence import CONFIG_FILE
+from tests.aha_helpers import FAST, colour_classifier, colour_images
+
+
+class _Pairs(torch.utils.data.Dataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+@pytest.mark.parametrize(("field", "value"), [("decoder_stride", 3), ("decoder_stride", 16),
+                                              ("decoder_stride", True), ("decoder_upsample", "nearest")])  # fmt: skip
+def test_the_config_refuses_other_strides_and_upsamplings_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        AHAConfig(**{field: value})
+
+
+@pytest.mark.parametrize("upsample", ["guided", "bilinear"])
+@pytest.mark.parametrize(("stride", "kind"), [(2, "full"), (4, "full"), (8, "light")])
+def test_the_convolutions_run_at_the_stride_and_the_map_at_the_input_side(stride, kind, upsample):
+    decoder = Decoder([4, 8], 3, dim=8, class_dim=4, kind=kind, stride=stride, upsample=upsample).eval()
+    x = torch.rand(2, 3, 30, 29)  # neither side a multiple of the stride
+    feats = [torch.randn(2, 4, 15, 15), torch.randn(2, 8, 4, 4)]  # the first finer than the decoder at 4 and 8
+    target = torch.tensor([0, 2])
+    with torch.no_grad():
+        hidden = decoder.hidden(feats, x, target, depth=1)
+        maps = decoder(feats, x, target)
+    low = (-(-30 // stride), -(-29 // stride))
+    assert hidden.shape[-2:] == low
+    assert maps.shape == (2, 30, 29) and torch.isfinite(maps).all()
+    # The output projection of the hidden activations, brought to the input side, is the map.
+    projected = decoder.out(hidden)[:, 0]
+    torch.testing.assert_close(decoder.with_terms(projected, x), maps)
+
+
+def test_stride_one_keeps_the_full_resolution_decoder_bit_for_bit():
+    torch.manual_seed(0)
+    one = Decoder([4, 8], 3, dim=8, class_dim=4)
+    torch.manual_seed(0)
+    default = Decoder([4, 8], 3, dim=8, class_dim=4, stride=1, upsample="bilinear")
+    assert one.upsample is None and default.upsample is None
+    x, target = torch.rand(2, 3, 16, 16), torch.tensor([1, 0])
+    feats = [torch.randn(2, 4, 8, 8), torch.randn(2, 8, 4, 4)]
+    with torch.no_grad():
+        assert torch.equal(one(feats, x, target), default(feats, x, target))
+    assert one.hidden(feats, x, target, depth=1).shape[-2:] == (16, 16)
+
+
+def test_the_guided_upsampling_follows_the_image_edge_not_the_cell_grid():
+    up = GuidedUpsample(4)
+    low = torch.zeros(1, 4, 4)
+    low[:, :, 2:] = 1.0  # the right half of the cells scores 1
+    x = torch.zeros(1, 3, 16, 16)
+    x[..., 9:] = 1.0  # the image's edge at column 9, one pixel inside the third cell (columns 8-11)
+    with torch.no_grad():
+        guided = up(low, x)[0]
+    bilinear = F.interpolate(low[:, None], size=(16, 16), mode="bilinear", align_corners=False)[0, 0]
+    assert guided[:, 9:].min() > 0.99 and guided[:, :9].max() < 0.01  # the step sits on the image's edge
+    assert bilinear[:, 8].max() > 0.3  # where a bilinear resize blends across it
+    # A constant map stays constant over any image (the weights are a softmax: they sum to 1).
+    flat = up(torch.full((2, 4, 4), 3.0), torch.rand(2, 3, 16, 16))
+    torch.testing.assert_close(flat, torch.full((2, 16, 16), 3.0))
+
+
+def test_training_at_a_stride_moves_the_upsampler_and_lowers_the_soft_deletion():
+    torch.manual_seed(0)
+    clf = colour_classifier()
+    x, y = colour_images(4)
+    config = AHAConfig(**FAST, lr=3e-3, warmup=0.0, references=("mean",), targets="pred", peak_weight=0.0,
+                       decoder_stride=4)  # fmt: skip
+    aha = AHA(clf, config)
+    scales = [p.detach().clone() for p in aha.decoder.upsample.parameters()]
+    history = aha.fit(_Pairs(x, y), epochs=30, batch_size=4, progress=False)
+    first, last = sum(history["deletion"][:5]) / 5, sum(history["deletion"][-5:]) / 5
+    assert last < first - 0.01, f"soft deletion AUC fell only from {first:.3f} to {last:.3f}"
+    moved = [not torch.equal(a, b) for a, b in zip(scales, aha.decoder.upsample.parameters(), strict=True)]
+    assert all(moved)
+
+
+@pytest.mark.parametrize("mode", ["decoder", "map"])
+def test_refinement_at_a_stride_starts_from_the_map_and_moves_it(mode):
+    clf = colour_classifier()
+    aha = AHA(clf, AHAConfig(**FAST, decoder_stride=4, refine_mode=mode))
+    x, _ = colour_images(3)
+    target = clf(x).argmax(1)
+    feats = aha.backbone(x)
+    with torch.no_grad():
+        for depth in (1, 2):
+            tail = PerImageTail(aha.decoder, 3, depth)
+            hidden = aha.decoder.hidden(feats, x, target, depth)
+            torch.testing.assert_close(aha.decoder.with_terms(tail(hidden), x), aha.decoder(feats, x, target))
+    refined = aha.attribute(x, target, refine_steps=3, seed=0)
+    assert refined.shape == (3, 32, 32) and not torch.allclose(refined, aha.attribute(x, target), atol=1e-3)
+
+
+def test_a_checkpoint_keeps_the_stride_and_an_older_one_loads_at_full_resolution(tmp_path):
+    clf = colour_classifier()
+    x, y = colour_images(2)
+    aha = AHA(clf, AHAConfig(**FAST, decoder_stride=8, decoder_upsample="guided"))
+    aha.fit(_Pairs(x, y), epochs=1, batch_size=2, progress=False)
+    aha.save(tmp_path / "s8")
+    loaded = AHA.load(tmp_path / "s8", clf)
+    assert loaded.config.decoder_stride == 8 and loaded.config.decoder_upsample == "guided"
+    torch.testing.assert_close(loaded.attribute(x), aha.attribute(x), atol=0, rtol=0)
+
+    AHA(clf, AHAConfig(**FAST)).save(tmp_path / "old")
+    meta = json.loads((tmp_path / "old" / CONFIG_FILE).read_text())
+    del meta["config"]["decoder_stride"], meta["config"]["decoder_upsample"]
+    (tmp_path / "old" / CONFIG_FILE).write_text(json.dumps(meta))
+    assert AHA.load(tmp_path / "old", clf).config.decoder_stride == 1
