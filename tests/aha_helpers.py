@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attr_engine.aha import AHA, AHAConfig
+from attr_engine.aha.network import PerImageTail
 from attr_engine.classifier import Classifier
 
 
@@ -73,3 +74,17 @@ def tiny_aha(classifier: Classifier) -> AHA:
     """An untrained AHA with the smallest decoder at 32 px: for checks that the taps, decoder and export run, not
     what they learned."""
     return AHA(classifier, AHAConfig(decoder_dim=8, class_dim=4), img_size=32)
+
+
+def assert_tail_starts_as_decoder(aha: AHA, x: torch.Tensor, target: torch.Tensor, **tolerance: float) -> None:
+    """Per-image copies of the decoder's last layers (:class:`PerImageTail`, depths 1 and 2), before any refinement
+    step, give the decoder's own maps for x (B, 3, H, W): refinement starts from the map at T=0. The tail's maps go
+    through ``with_terms`` (the upsampling at a stride, the terms that skip the convolutions) as refinement's do.
+    ``tolerance``: ``atol`` / ``rtol`` for :func:`torch.testing.assert_close` (its float32 defaults otherwise)."""
+    feats = aha.backbone(x)
+    with torch.no_grad():
+        for depth in (1, 2):
+            tail = PerImageTail(aha.decoder, len(x), depth)
+            hidden = aha.decoder.hidden(feats, x, target, depth)
+            maps = aha.decoder.with_terms(tail(hidden), x)
+            torch.testing.assert_close(maps, aha.decoder(feats, x, target), **tolerance)  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ from attr_engine.aha.loss import soft_auc_loss, trapezoid_auc
 from attr_engine.classifier import Classifier, load_classifier
 from attr_engine.metrics import deletion_insertion
 from attr_engine.pullback import SemanticPullback
-from tests.aha_helpers import FAST, ColourNet, colour_classifier, colour_images
+from tests.aha_helpers import FAST, ColourNet, assert_tail_starts_as_decoder, colour_classifier, colour_images
 
 
 class _Pairs(torch.utils.data.Dataset):
@@ -486,12 +486,7 @@ def test_the_per_image_tail_starts_as_the_decoder_and_refinement_lowers_the_soft
     aha = AHA(clf, AHAConfig(**FAST, decoder=decoder, refine_mode=mode))
     x, _ = colour_images(4)
     target = clf(x).argmax(1)
-    feats = aha.backbone(x)
-    with torch.no_grad():
-        for depth in (1, 2):
-            tail = PerImageTail(aha.decoder, 4, depth)
-            hidden = aha.decoder.hidden(feats, x, target, depth)
-            torch.testing.assert_close(tail(hidden), aha.decoder(feats, x, target), atol=1e-5, rtol=1e-5)
+    assert_tail_starts_as_decoder(aha, x, target, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="depth must be 1 or 2"):
         PerImageTail(aha.decoder, 4, 3)
 

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from attr_engine.aha import AHA, AHAConfig
-from attr_engine.aha.network import Decoder, GuidedUpsample, PerImageTail
+from attr_engine.aha.network import Decoder, GuidedUpsample
 from attr_engine.aha.persistence import CONFIG_FILE
-from tests.aha_helpers import FAST, colour_classifier, colour_images
+from tests.aha_helpers import FAST, assert_tail_starts_as_decoder, colour_classifier, colour_images
 
 
 class _Pairs(torch.utils.data.Dataset):
@@ -107,12 +107,7 @@ def test_refinement_at_a_stride_starts_from_the_map_and_moves_it(mode):
     aha = AHA(clf, AHAConfig(**FAST, decoder_stride=4, refine_mode=mode))
     x, _ = colour_images(3)
     target = clf(x).argmax(1)
-    feats = aha.backbone(x)
-    with torch.no_grad():
-        for depth in (1, 2):
-            tail = PerImageTail(aha.decoder, 3, depth)
-            hidden = aha.decoder.hidden(feats, x, target, depth)
-            torch.testing.assert_close(aha.decoder.with_terms(tail(hidden), x), aha.decoder(feats, x, target))
+    assert_tail_starts_as_decoder(aha, x, target)
     refined = aha.attribute(x, target, refine_steps=3, seed=0)
     assert refined.shape == (3, 32, 32) and not torch.allclose(refined, aha.attribute(x, target), atol=1e-3)
 

@@ -452,7 +452,6 @@ class Decoder(nn.Module):
         half = max(8, dim // 2) if image_dim is None else image_dim
         self.extra_channels = extra_channels
         self.stride = stride
-        self.upsample_mode = upsample
         stem_in = (3 + extra_channels) * stride * stride
         if kind == "full":
             self.up = nn.Sequential(nn.Conv2d(dim, dim, 3, padding=1), nn.GELU())
@@ -584,7 +583,7 @@ class Decoder(nn.Module):
         assert fused is not None
         if self.kind == "light":
             fused = self.reduce(fused)  # upsample at the image encoding's width, not the fused one
-        # x2 steps (shared weights) up to the input resolution, then an exact resize for odd sizes. The conv runs at
+        # x2 steps (shared weights) up to the decoder's resolution, then an exact resize for odd sizes. The conv runs at
         # least once so every parameter takes part in every step (DistributedDataParallel requires it).
         steps = max(0, math.ceil(math.log2(max(height / fused.shape[-2], width / fused.shape[-1]))))
         if steps == 0:
