@@ -20,10 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from attr_engine.artifact import read_artifact
 from attr_engine.artifact_precision import OPTIMIZATIONS, PRECISIONS, convert_artifact, decoder_nodes
 from attr_engine.cli import main
+from attr_engine.metrics import pearson_similarity, pixel_ranks
 from tests.aha_helpers import tiny_aha
 from tests.eval_helpers import single_thread, untrained_resnet_checkpoint
 
@@ -67,11 +69,10 @@ def _run(path: Path, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Spearman's rank correlation per image of maps ``a`` and ``b`` (N, H, W) -> (N,) (ties: none in float maps
-    of a trained or random decoder, so plain ranks)."""
-    ranks = [np.argsort(np.argsort(m.reshape(len(m), -1), axis=1), axis=1).astype(np.float64) for m in (a, b)]
-    centred = [r - r.mean(axis=1, keepdims=True) for r in ranks]
-    return (centred[0] * centred[1]).sum(1) / np.sqrt((centred[0] ** 2).sum(1) * (centred[1] ** 2).sum(1))
+    """Spearman's rank correlation per image of maps ``a`` and ``b`` (N, H, W) -> (N,): the Pearson correlation of
+    the pixel ranks deletion / insertion perturb by."""
+    ranks = [pixel_ranks(torch.from_numpy(np.ascontiguousarray(m))) for m in (a, b)]
+    return pearson_similarity(*ranks).numpy()
 
 
 def _io(path: Path) -> list[tuple[str, str]]:
