@@ -51,7 +51,8 @@ def convert_artifact(
             with them every prediction, stay float32. ``None``: the source's own precision.
         optimize: ``"none"``, or onnxruntime's graph optimisation level (``"basic"``, ``"extended"``, ``"all"``)
             applied once and saved, so a server loads the optimised graph. ``"all"`` adds layouts for the CPU it
-            ran on (onnxruntime's NCHWc): such a file is meant for CPUs of that kind.
+            ran on (onnxruntime's NCHWc): such a file is meant for CPUs of that kind; on a float16 file it also
+            folds in the float32 copies of the weights the CPU provider computes with, undoing the smaller size.
 
     Raises:
         ValueError: one line naming ``source``: an unknown precision or level, no such file, not ONNX, no
