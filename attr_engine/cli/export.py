@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from attr_engine.artifact_precision import OPTIMIZATIONS, PRECISIONS
+from attr_engine.artifact_precision import OPTIMIZATIONS, PRECISIONS, convert_artifact
 from attr_engine.cli._common import (
     UsageError,
     add_classifier_args,
@@ -130,9 +130,7 @@ def _check_conversion_args(args: argparse.Namespace) -> None:
 
 def _convert(source: str, output: str, precision: str | None, optimize: str) -> Path:
     """``source`` converted to ``output`` by :func:`~attr_engine.artifact_precision.convert_artifact` (which
-    imports onnx and onnxruntime, not torch); its refusals as one-line usage errors."""
-    from attr_engine.artifact_precision import convert_artifact  # onnx and onnxruntime, imported when it runs
-
+    imports onnx and onnxruntime when it runs, never torch); its refusals as one-line usage errors."""
     try:
         return convert_artifact(source, output, precision=precision, optimize=optimize)
     except ValueError as err:
