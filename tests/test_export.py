@@ -224,6 +224,18 @@ def test_the_cli_export_writes_an_artifact_that_matches_explain(cli_artifact, ca
     assert json.loads(meta["class_names"])[5] == "class 5" and meta["classifier_name"] == "resnet10t"
 
 
+def test_the_artifact_names_no_path_of_the_machine_that_exported_it(cli_artifact) -> None:
+    """torch.onnx records a traceback per node (``pkg.torch.onnx.stack_trace``) naming this checkout's and torch's
+    source files; export drops it and keeps the module scopes (which name modules, not files)."""
+    import attr_engine
+
+    _, _, out = cli_artifact
+    data = out.read_bytes()
+    for root in (Path(attr_engine.__file__).parents[1], Path(torch.__file__).parents[1]):
+        assert str(root).encode() not in data, root
+    assert b"pkg.torch.onnx.name_scopes" in data and b"stack_trace" not in data
+
+
 def test_a_server_reads_the_recorded_crop_and_an_older_file_gets_the_whole_side(cli_artifact, tmp_path) -> None:
     """``attr-engine export`` of a checkpoint records the crop ``explain`` cuts it with (crop_pct 1.0); the reader
     of ``serve --artifact`` takes it, ``crop_pct`` replaces it, a file without the record is cut with the whole

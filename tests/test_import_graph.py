@@ -171,6 +171,8 @@ FLOORS: dict[str, int] = {
             "_optional",
             "_training",
             "artifact",
+            "artifact_precision",
+            "atomic",
             "checkpoint",
             "claims",
             "classifier",

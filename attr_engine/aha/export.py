@@ -50,9 +50,12 @@ __all__ = [
     "class_names",
     "export",
     "export_metadata",
+    "strip_source_paths",
 ]
 
 EXPORT_FORMATS: tuple[str, ...] = ("onnx", "pt2")
+# Node metadata keys ending so hold a traceback of the tracing machine's source files.
+_PATH_KEY_SUFFIX = "stack_trace"
 _MISSING_ONNX = "exporting to ONNX needs onnx and onnxscript: pip install 'attr-engine[export]'"
 
 
@@ -266,6 +269,7 @@ def _write_onnx(program: torch.export.ExportedProgram, target: Path, meta: Mappi
     )
     assert onnx_program is not None  # no file given: the program is returned
     proto = onnx_program.model_proto
+    strip_source_paths(proto.graph)
     for key, value in meta.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, value
@@ -273,6 +277,21 @@ def _write_onnx(program: torch.export.ExportedProgram, target: Path, meta: Mappi
     # One file, weights inside: the artifact must be self-contained (the default would write them beside it).
     with atomic_write(target) as f:
         f.write(proto.SerializeToString())
+
+
+def strip_source_paths(graph: Any) -> None:
+    """Drop the node metadata that names files (``pkg.torch.onnx.stack_trace``: the tracing machine's paths to
+    attr-engine's and torch's sources) from an ONNX ``graph`` and the subgraphs its nodes hold, so the artifact
+    carries no path of the machine that exported it. The module scopes (``pkg.torch.onnx.name_scopes``,
+    ``namespace``) stay: they name modules, not files, and mark the decoder's nodes for
+    :func:`attr_engine.artifact_precision.convert_artifact`."""
+    for node in graph.node:
+        kept = [entry for entry in node.metadata_props if not entry.key.endswith(_PATH_KEY_SUFFIX)]
+        del node.metadata_props[:]
+        node.metadata_props.extend(kept)
+        for attribute in node.attribute:
+            for subgraph in (*([attribute.g] if attribute.HasField("g") else []), *attribute.graphs):
+                strip_source_paths(subgraph)
 
 
 def _write_pt2(program: torch.export.ExportedProgram, target: Path, meta: Mapping[str, str]) -> None:

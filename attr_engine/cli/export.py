@@ -1,4 +1,5 @@
-"""``attr-engine export``: a trained AHA and its classifier as one serving artifact (ONNX or AOTInductor .pt2)."""
+"""``attr-engine export``: a trained AHA and its classifier as one serving artifact (ONNX or AOTInductor .pt2), and
+an ONNX artifact converted to float16 or int8 decoder weights or pre-optimised (``--artifact``, without torch)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from attr_engine.artifact_precision import OPTIMIZATIONS, PRECISIONS, convert_artifact
 from attr_engine.cli._common import (
     UsageError,
     add_classifier_args,
@@ -20,6 +22,9 @@ from attr_engine.cli._common import (
 )
 from attr_engine.guards import check_aha_dir, check_crop_pct, check_export_side
 
+# Flags of an export from --aha that a conversion of --artifact has no use for.
+_EXPORT_ONLY = ("aha", "classifier", "model", "pretrained", "num_classes", "img_size", "class_names", "crop_pct")
+
 
 def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
     p = subparsers.add_parser(
@@ -30,7 +35,8 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
         "(B, 3, H, W) float32 in [0, 1] and target (B,) int64 (-1: the predicted class); outputs logits (B, K) and "
         "maps (B, H, W), standardised as explain writes them. One input size, any batch. Runs in onnxruntime "
         "without attr-engine or PyTorch. Only AHA without refinement exports: the other methods need autograd or "
-        "many passes per map.",
+        "many passes per map. With --artifact FILE instead of --aha, an exported ONNX file is converted "
+        "(--precision, --optimize) without PyTorch.",
     )
     add_classifier_args(p)
     p.add_argument("--aha", metavar="DIR", help="trained AHA checkpoint directory (train-aha or demo output)")
@@ -56,13 +62,38 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
         "--model, 1.0 for a --classifier checkpoint)",
     )
     add_device_arg(p)
+    convert = p.add_argument_group("precision and graph optimisation (ONNX)")
+    convert.add_argument(
+        "--artifact",
+        metavar="FILE",
+        help="an ONNX file attr-engine export wrote, converted to --output by --precision / --optimize instead of "
+        "exporting (no classifier, explainer or PyTorch needed)",
+    )
+    convert.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="float16: every weight in float16 (about half the bytes; inputs and outputs stay float32); "
+        "int8-decoder: the decoder's weights in int8 (dynamic quantisation; the classifier stays float32, so "
+        "predictions do not change) (default: float32, or --artifact's own)",
+    )
+    convert.add_argument(
+        "--optimize",
+        choices=OPTIMIZATIONS,
+        default="none",
+        help="onnxruntime's graph optimisation level, applied once and saved in the file (all: with layouts for "
+        "this kind of CPU) (default: none)",
+    )
     p.set_defaults(run=run_export)
     return {"export": p}
 
 
 def _check_args(args: argparse.Namespace) -> None:
     """Refusals that need no model: refinement, no explainer, an impossible size, paths of the wrong kind (one line
-    each, exit 2), before torch is imported; then another method than aha (its name resolved by the registry)."""
+    each, exit 2), before torch is imported; then another method than aha (its name resolved by the registry). With
+    ``--artifact``, only the conversion's own flags count."""
+    if args.artifact is not None:
+        _check_conversion_args(args)
+        return
     if args.refine_steps != 0:
         raise UsageError("--refine-steps must be 0: refinement runs an optimiser per request, which no graph holds")
     if args.aha is None:
@@ -84,6 +115,28 @@ def _check_args(args: argparse.Namespace) -> None:
         )
 
 
+def _check_conversion_args(args: argparse.Namespace) -> None:
+    """``--artifact``: no flag of an export from ``--aha``, an ONNX output that is a file name."""
+    given = [f"--{name.replace('_', '-')}" for name in _EXPORT_ONLY if getattr(args, name) not in (None, False)]
+    if given:
+        raise UsageError(
+            f"--artifact converts an exported file: it takes no {', '.join(given)} (a flag of an export from --aha)"
+        )
+    if args.format == "pt2" or Path(args.output).suffix == ".pt2":
+        raise UsageError("--artifact converts ONNX files: --output must be an .onnx file, not a .pt2 package")
+    if Path(args.output).is_dir():
+        raise UsageError(f"--output {args.output} is a directory; name the file to write")
+
+
+def _convert(source: str, output: str, precision: str | None, optimize: str) -> Path:
+    """``source`` converted to ``output`` by :func:`~attr_engine.artifact_precision.convert_artifact` (which
+    imports onnx and onnxruntime when it runs, never torch); its refusals as one-line usage errors."""
+    try:
+        return convert_artifact(source, output, precision=precision, optimize=optimize)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
 def _class_names(path: str | None) -> list[str] | None:
     if path is None:
         return None
@@ -98,6 +151,11 @@ def _class_names(path: str | None) -> list[str] | None:
 
 def run_export(args: argparse.Namespace) -> int:
     _check_args(args)
+    if args.artifact is not None:
+        # No work_started(): the conversion writes its one file atomically, so a refusal leaves nothing behind.
+        path = _convert(args.artifact, args.output, args.precision, args.optimize)
+        print(f"wrote {path} ({args.precision or 'precision of the source'}, graph optimisation {args.optimize})")
+        return 0
     device = resolve_device(args.device)
     from attr_engine.classifier import load_classifier
     from attr_engine.explainer import get_explainer
@@ -117,7 +175,10 @@ def run_export(args: argparse.Namespace) -> int:
         from attr_engine.aha.export import check_exportable
         from attr_engine.imageops import data_config
 
-        _, size = check_exportable(explainer, args.format, args.output, args.img_size, names)
+        fmt, size = check_exportable(explainer, args.format, args.output, args.img_size, names)
+        converted = args.precision not in (None, "float32") or args.optimize != "none"
+        if converted and fmt != "onnx":
+            raise ValueError("--precision and --optimize convert ONNX artifacts; a .pt2 package has neither")
         # The crop explain and serve use for these flags, recorded so a server of the file cuts images alike.
         crop_pct = args.crop_pct if args.crop_pct is not None else (1.0 if args.classifier else None)
         config = data_config(classifier, img_size=size, crop_pct=crop_pct)
@@ -127,5 +188,9 @@ def run_export(args: argparse.Namespace) -> int:
     path = explainer.export(
         args.output, format=args.format, img_size=args.img_size, class_names=names, preprocess=config
     )
-    print(f"wrote {path}")
+    if not converted:
+        print(f"wrote {path}")
+        return 0
+    _convert(str(path), str(path), args.precision, args.optimize)
+    print(f"wrote {path} ({args.precision or 'float32'}, graph optimisation {args.optimize})")
     return 0
