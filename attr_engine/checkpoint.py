@@ -6,9 +6,8 @@ split by :func:`flatten_state` into a flat ``{name: tensor}`` dict plus a JSON s
 went and which containers were tuples or had integer keys, so :func:`unflatten_state` rebuilds it exactly;
 :func:`save_state` / :func:`load_state` store both in one safetensors file (the skeleton in its metadata).
 
-Every write is atomic (:mod:`attr_engine.atomic`: a temporary file in the destination directory, fsynced, renamed
-over the target); this module re-exports those helpers (:func:`atomic_write`, :func:`fresh_dir`, :func:`fsync_dir`,
-:func:`stale_temporaries`, :data:`TMP_SUFFIX`) for its existing callers.
+Every write is atomic, through :mod:`attr_engine.atomic` (a temporary file in the destination directory, fsynced,
+renamed over the target), the torch-free home of those helpers.
 """
 
 from __future__ import annotations
@@ -24,21 +23,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from attr_engine.atomic import TMP_SUFFIX, atomic_path, atomic_write, fresh_dir, fsync_dir, stale_temporaries
+from attr_engine.atomic import atomic_path, atomic_write
 
 __all__ = [
-    "TMP_SUFFIX",
-    "atomic_write",
     "flatten_state",
-    "fresh_dir",
-    "fsync_dir",
     "load_json",
     "load_safetensors",
     "load_state",
     "save_json",
     "save_safetensors",
     "save_state",
-    "stale_temporaries",
     "unflatten_state",
 ]
 

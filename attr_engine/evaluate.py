@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from attr_engine.checkpoint import atomic_write
+from attr_engine.atomic import atomic_write
 from attr_engine.classifier import Classifier
 from attr_engine.explainer import Explainer, FunctionExplainer, get_explainer, reduce_channels, resolve_baselines
 from attr_engine.guards import not_a_classifier_hint

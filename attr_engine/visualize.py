@@ -167,7 +167,7 @@ def save_overlay(image: torch.Tensor, amap: torch.Tensor, path: str | os.PathLik
     """Write :func:`overlay` of ``image (3, H, W)`` and ``amap (H, W)`` as a PNG, atomically."""
     from PIL import Image
 
-    from attr_engine.checkpoint import atomic_write
+    from attr_engine.atomic import atomic_write
 
     buffer = io.BytesIO()
     Image.fromarray(overlay(image, amap, **style)).save(buffer, format="PNG")
@@ -391,7 +391,7 @@ def _save_rgb(fig: Any, path: str | os.PathLike[str]) -> Path:
     import numpy as np
     from PIL import Image
 
-    from attr_engine.checkpoint import atomic_write
+    from attr_engine.atomic import atomic_write
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -414,7 +414,7 @@ def _figure(width: float, height: float, dpi: int = 110) -> Any:
 
 
 def _save(fig: Any, path: str | os.PathLike[str]) -> Path:
-    from attr_engine.checkpoint import atomic_write
+    from attr_engine.atomic import atomic_write
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

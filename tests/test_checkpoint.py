@@ -9,17 +9,15 @@ import numpy as np
 import pytest
 import torch
 
+from attr_engine.atomic import atomic_write, fresh_dir, stale_temporaries
 from attr_engine.checkpoint import (
-    atomic_write,
     flatten_state,
-    fresh_dir,
     load_json,
     load_safetensors,
     load_state,
     save_json,
     save_safetensors,
     save_state,
-    stale_temporaries,
     unflatten_state,
 )
 

@@ -35,7 +35,7 @@ from attr_engine.aha.config import AHAConfig
 from attr_engine.aha.loss import standardise
 from attr_engine.aha.network import Decoder, FeatureBackbone
 from attr_engine.artifact import EXPORT_FORMAT, INPUT_NAMES, OUTPUT_NAMES
-from attr_engine.checkpoint import atomic_write
+from attr_engine.atomic import atomic_write
 from attr_engine.classifier import Classifier, classifier_fingerprint, eval_mode
 from attr_engine.guards import check_export_side
 from attr_engine.pixels import DataConfig

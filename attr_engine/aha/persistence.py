@@ -34,10 +34,9 @@ import torch
 
 from attr_engine.aha.config import AHAConfig
 from attr_engine.aha.network import Decoder, FeatureBackbone, build_decoder
+from attr_engine.atomic import fresh_dir, fsync_dir
 from attr_engine.checkpoint import (
     check_state_shapes,
-    fresh_dir,
-    fsync_dir,
     load_json,
     load_safetensors,
     load_state,

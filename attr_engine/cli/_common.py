@@ -396,7 +396,7 @@ def resolve_method(name: str) -> str:
 
 def check_writable_dir(path: str | os.PathLike[str]) -> Path:
     """Create ``path`` if needed and prove it is writable now, before hours of work are spent on its contents."""
-    from attr_engine.checkpoint import atomic_write
+    from attr_engine.atomic import atomic_write
 
     out = Path(path)
     if out.exists() and not out.is_dir():

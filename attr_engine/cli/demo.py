@@ -351,7 +351,7 @@ def _print_summary(
 def _write_report(
     out: Path, args: argparse.Namespace, sizes: DemoSizes, board: Any, results: dict[str, Any], files: dict[str, Path]
 ) -> None:
-    from attr_engine.checkpoint import atomic_write
+    from attr_engine.atomic import atomic_write
 
     machine = results["machine"]
     secs = results["stage_seconds"]

@@ -206,7 +206,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def run_evaluate(args: argparse.Namespace) -> int:
     _check_args(args)
-    from attr_engine.checkpoint import atomic_write
+    from attr_engine.atomic import atomic_write
     from attr_engine.evaluate import METRICS
 
     out = check_writable_dir(args.out) if args.out else None

@@ -117,7 +117,7 @@ _SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16"}
 
 def remove_stale_temporaries(out: Path, items: list[Item], rank: int, world: int) -> int:
     """Delete temporaries a killed run left for this process's outputs (never another live process's)."""
-    from attr_engine.checkpoint import TMP_SUFFIX, stale_temporaries
+    from attr_engine.atomic import TMP_SUFFIX, stale_temporaries
 
     mine = {out / item.map_file for item in items} | {out / item.png_file for item in items}
     mine.add(out / MANIFEST_DIR / f"rank{rank}-of-{world}.json")
@@ -229,7 +229,8 @@ def _stored(amap: torch.Tensor, dtype: str, name: str) -> torch.Tensor:
 def _write_map(amap: torch.Tensor, path: Path, fmt: str, meta: dict[str, str]) -> None:
     import numpy as np
 
-    from attr_engine.checkpoint import atomic_write, save_safetensors
+    from attr_engine.atomic import atomic_write
+    from attr_engine.checkpoint import save_safetensors
 
     if fmt == "npy":
         with atomic_write(path, "wb") as f:
