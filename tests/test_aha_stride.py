@@ -86,6 +86,40 @@ def test_the_guided_upsampling_follows_the_image_edge_not_the_cell_grid():
     torch.testing.assert_close(flat, torch.full((2, 16, 16), 3.0))
 
 
+def _joint_bilateral_by_the_pixel(up: GuidedUpsample, low: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The documented definition, one output pixel at a time: a softmax over the 3 x 3 cells around the pixel's
+    cell (edge cells repeated) of ``-a d^2 - b |p - c|^2``, weighting those cells' scores."""
+    s, (bsz, height, width) = up.stride, low.shape
+    a, b = up.spatial_log.exp(), up.colour_log.exp()
+    cells = F.avg_pool2d(x, s)
+    out = torch.empty(bsz, height * s, width * s)
+    for n in range(bsz):
+        for py in range(height * s):
+            for px in range(width * s):
+                cy, cx = py // s, px // s
+                logits, scores = [], []
+                for dy in (-1, 0, 1):
+                    for dx in (-1, 0, 1):
+                        ny, nx = min(max(cy + dy, 0), height - 1), min(max(cx + dx, 0), width - 1)
+                        d2 = ((py + 0.5) / s - (cy + dy + 0.5)) ** 2 + ((px + 0.5) / s - (cx + dx + 0.5)) ** 2
+                        c2 = (x[n, :, py, px] - cells[n, :, ny, nx]).square().sum()
+                        logits.append(-a * d2 - b * c2)
+                        scores.append(low[n, ny, nx])
+                out[n, py, px] = (torch.stack(logits).softmax(0) * torch.stack(scores)).sum()
+    return out
+
+
+def test_the_guided_upsampling_equals_its_definition_pixel_by_pixel():
+    torch.manual_seed(0)
+    up = GuidedUpsample(4)
+    with torch.no_grad():  # scales away from their initial values, as after training
+        up.spatial_log.fill_(0.3)
+        up.colour_log.fill_(3.1)
+    low, x = torch.randn(2, 3, 2), torch.rand(2, 3, 12, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(up(low, x), _joint_bilateral_by_the_pixel(up, low, x), atol=1e-5, rtol=1e-5)
+
+
 def test_training_at_a_stride_moves_the_upsampler_and_lowers_the_soft_deletion():
     torch.manual_seed(0)
     clf = colour_classifier()

@@ -334,7 +334,9 @@ class GuidedUpsample(nn.Module):
     A pixel on an object's edge thus takes the scores of the cells of its own colour, so a map decoded at 1/4 or
     1/8 of the input side keeps the boundaries a bilinear resize would blur across. Cost per pixel: about 9 x 10
     operations, against tens of thousands of multiply-adds per pixel for a convolution stage at full resolution.
-    The colour distance is summed one channel at a time, so no (B, 3, 9, s^2, h, w) tensor is formed.
+    The pixel's own squared norm is left out of the logits (it is the same for its nine cells and cancels in the
+    softmax), and the dot product with each cell's colour is summed one channel at a time, so no
+    (B, 3, 9, s^2, h, w) tensor is formed.
     """
 
     spatial: torch.Tensor  # (9, s * s, 1, 1) squared distances from each sub-pixel to each neighbouring cell
@@ -362,12 +364,16 @@ class GuidedUpsample(nn.Module):
         windows = [(i, j) for i in range(3) for j in range(3)]
         near_maps = torch.stack([padded_maps[:, i : i + height, j : j + width] for i, j in windows], 1)
         near_cells = torch.stack([padded_cells[:, :, i : i + height, j : j + width] for i, j in windows], 2)
-        # |p - c|^2 over RGB, (B, 9, s^2, h, w), summed channel by channel (a batched matmul of 3-long vectors
-        # per position is 5x slower on the CPU)
-        colour = (pixels[:, :1] - near_cells[:, 0, :, None]).square()
+        # -b |p - c|^2 = -b |p|^2 + 2b p.c - b |c|^2, and -b |p|^2 is the same for a pixel's nine cells, so it
+        # cancels in the softmax: the logits are 2b p.c - b |c|^2 - a d^2, (B, 9, s^2, h, w), the dot product
+        # summed channel by channel (a batched matmul of 3-long vectors per position is 5x slower on the CPU)
+        colour_scale = self.colour_log.exp()
+        scaled_cells = (2 * colour_scale) * near_cells  # (B, 3, 9, h, w)
+        logits = pixels[:, :1] * scaled_cells[:, 0, :, None]
         for c in (1, 2):
-            colour = colour + (pixels[:, c : c + 1] - near_cells[:, c, :, None]).square()
-        logits = -self.spatial_log.exp() * self.spatial - self.colour_log.exp() * colour
+            logits = logits + pixels[:, c : c + 1] * scaled_cells[:, c, :, None]
+        cell_terms = -colour_scale * near_cells.square().sum(1)  # (B, 9, h, w)
+        logits = logits + (cell_terms[:, :, None] - self.spatial_log.exp() * self.spatial)
         out = (logits.softmax(1) * near_maps[:, :, None]).sum(1)  # (B, s^2, h, w)
         return F.pixel_shuffle(out, s)[:, 0]
 
