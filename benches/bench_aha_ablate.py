@@ -57,6 +57,10 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
 - ``stride``: the decoder at 1/4 and 1/8 of the input side (``AHAConfig.decoder_stride``), its map brought to the
   input's by the guided (joint bilateral) or the bilinear upsampling (``decoder_upsample``): what the cheaper
   decoder costs in faithfulness against the full-resolution ``default``.
+- ``teacher``: the teacher-student phase (``AHAConfig.teacher_weight`` 0.3 and 1.0): the default AHA's per-image
+  optimum (``TEACHER_STEPS`` Adam steps from its one-pass maps) over the training set, computed once into the cache
+  (:mod:`attr_engine.aha.teacher`), taught beside the soft-AUC loss to a decoder trained from scratch. The teacher's
+  time is printed; it is paid once per classifier, not per map.
 
 ``--gap N`` (issue #31) replaces the families with the gap split on the first N test images: AHA T=0 and T=3,
 the per-image optimum of AHA's own objective (:meth:`AHA.optimise_maps`: a free map per image initialised from
@@ -79,6 +83,7 @@ import copy
 import dataclasses
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,6 +91,7 @@ import torch
 
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.config import grid_rule
+from attr_engine.aha.teacher import TeacherMaps, compute_teacher_maps
 from attr_engine.aha.trainer import History
 from attr_engine.data import PhotoCropsDataset, ShapesDataset
 from attr_engine.evaluate import Leaderboard, evaluate
@@ -111,7 +117,10 @@ FAMILIES = (
     "pullback-budget",
     "flat",
     "stride",
+    "teacher",
 )
+# The teacher family's optimum: Adam steps per training image, from the cached default AHA's one-pass maps.
+TEACHER_STEPS = 10
 # The budget family's cap, in multiples of the leaderboard's steps, and its held-out validation images.
 BUDGET_CAP = 4
 BUDGET_VAL_IMAGES = 64
@@ -215,6 +224,8 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
             for stride in (4, 8)
             for upsample in ("guided", "bilinear")
         }
+    if family == "teacher":  # the default AHA's per-image optimum (TEACHER_STEPS Adam steps) as the teacher
+        return {f"teacher {w}": {"teacher_weight": w, "_teacher_steps": TEACHER_STEPS} for w in (0.3, 1.0)}
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 
@@ -346,6 +357,22 @@ def variant_folder(args: argparse.Namespace, budget, name: str) -> Path | None:
     return args.cache / "ablations" / key / name.replace(" ", "_").replace("+", "-")
 
 
+_TEMPORARY_TEACHERS: dict[int, Path] = {}
+
+
+def teacher_maps(args: argparse.Namespace, budget, aha: AHA, train_set, steps: int) -> TeacherMaps:
+    """The default AHA's per-image optimum over the training set (``steps`` Adam steps each), computed once into
+    the cache (or a temporary folder without ``--cache``) and resumed there if a run stops half-way."""
+    folder = variant_folder(args, budget, f"teacher maps {steps}")
+    if folder is None:  # one temporary folder per run and budget, so the rows share one computation
+        folder = _TEMPORARY_TEACHERS.setdefault(steps, Path(tempfile.mkdtemp(prefix="teacher-")))
+    start = time.perf_counter()
+    compute_teacher_maps(aha, train_set, folder, steps=steps, chunk=32, progress=False)
+    print(f"[{args.kind}] teacher maps: {len(train_set)} images, {steps} steps, {time.perf_counter() - start:.0f} s "
+          f"(0 if cached) in {folder}", flush=True)  # fmt: skip
+    return TeacherMaps.load(folder, len(train_set))
+
+
 def gap(args: argparse.Namespace, classifier, aha: AHA, test_set, budget, acc: float) -> Leaderboard:
     """The gap split (issue #31, item 1) on the first ``args.gap`` test images; see the module docstring."""
     # Shapes carry masks: their localisation columns (the energy pointing game, mask IoU) ride along.
@@ -425,6 +452,7 @@ def run(args: argparse.Namespace) -> Leaderboard:
         if args.only and name not in args.only:
             continue
         factor = overrides.pop("_steps_factor", 1)
+        teacher_steps = overrides.pop("_teacher_steps", None)
         val = validation_set(args.data, args.img, args.seed) if overrides.pop("_val", False) else None
         config = dataclasses.replace(base, **overrides)
         steps = budget.aha_steps * (BUDGET_CAP if val is not None else factor)
@@ -440,7 +468,9 @@ def run(args: argparse.Namespace) -> Leaderboard:
             print(f"[{args.kind}] {name}: loaded from {folder}", flush=True)
         else:
             variant = AHA(classifier, config)
-            fitted = variant.fit(train_set, batch_size=8, epochs=100, max_steps=steps, progress=False, val=val)
+            teacher = teacher_maps(args, budget, aha, train_set, teacher_steps) if teacher_steps else None
+            fitted = variant.fit(train_set, batch_size=8, epochs=100, max_steps=steps, progress=False, val=val,
+                                 teacher=teacher)  # fmt: skip
             history = {**{k: v for k, v in fitted.items() if "val" in k}, "flat": flat_record(fitted)}
             if folder is not None:
                 variant.save(folder)

@@ -107,6 +107,9 @@ class AHAConfig:
         score_norm: what enters the sorter: "zscore" (per-image standardised) or "raw" (as pooled). [measured]
         anchor_span: span of the rank anchors the z-scores are matched against (4.0). [project]
         targets: "pred+label" (the prediction and the label or runner-up) or "pred". [project]
+        teacher_weight: weight of the teacher's ranking loss (:func:`attr_engine.aha.teacher.teacher_ranking_loss`
+            on the predicted class's maps against each training image's per-image optimum) beside the soft-AUC loss;
+            0 = no teacher, and ``fit`` then takes none (0.0). [project]
         lr: AdamW learning rate (3e-4). [official]
         weight_decay: AdamW weight decay (1e-3). [official]
         warmup: fraction of the steps spent in linear warm-up before cosine decay (0.06). [official]
@@ -159,6 +162,7 @@ class AHAConfig:
     score_norm: str = "zscore"
     anchor_span: float = 4.0
     targets: str = "pred+label"
+    teacher_weight: float = 0.0
 
     lr: float = 3e-4
     weight_decay: float = 1e-3
@@ -236,7 +240,7 @@ class AHAConfig:
             raise ValueError(f"refine_mode must be one of {REFINE_MODES}, got {self.refine_mode!r}")
         for name in ("tau_start", "tau_end", "lr", "refine_lr", "refine_map_lr"):
             put(name, check_positive(getattr(self, name), name))
-        for name in ("noise", "peak_weight", "weight_decay", "grad_clip"):
+        for name in ("noise", "peak_weight", "weight_decay", "grad_clip", "teacher_weight"):
             put(name, check_non_negative(getattr(self, name), name))
         put("warmup", check_non_negative(self.warmup, "warmup"))
         if not self.warmup < 1:

@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from attr_engine._training import collate_images_labels, warmup_cosine
 from attr_engine.aha.loss import FLAT_SPREAD, curve_spread, flat_curves, soft_auc_loss
 from attr_engine.aha.persistence import Checkpointable, latest_training_checkpoint, save_training_checkpoint
+from attr_engine.aha.teacher import TeacherMaps, teacher_ranking_loss
 from attr_engine.aha.validation import EarlyStopping, Scored, ValData, check_val_data, score_validation
 from attr_engine.guards import check_count
 from attr_engine.imageops import reference_image, scaled_blur
@@ -59,8 +60,9 @@ class Trainee(Checkpointable, Scored, Protocol):
 # The cap of a run with a validation set when neither ``epochs`` nor ``max_steps`` is given (see fit's docstring).
 VAL_EPOCHS_CAP = 10
 # The per-step lists of fit's history: the batch's mean loss and soft AUCs, the temperature and learning rate, the
-# grid side, the share of flat curve pairs (StepRecord.flat_share) and the decoder's gradient norm before clipping.
-STEP_KEYS = ("loss", "deletion", "insertion", "tau", "lr", "grid", "flat_share", "grad_norm")
+# grid side, the share of flat curve pairs (StepRecord.flat_share), the decoder's gradient norm before clipping and
+# the teacher's ranking loss (unweighted, NaN without a teacher).
+STEP_KEYS = ("loss", "deletion", "insertion", "tau", "lr", "grid", "flat_share", "grad_norm", "teacher")
 
 
 @dataclass(frozen=True)
@@ -127,14 +129,15 @@ def fit(
     num_workers: int = 0,
     progress: bool = True,
     val: ValData | None = None,
+    teacher: TeacherMaps | None = None,
 ) -> History:
     """Train ``aha``'s decoder.
 
     Budget: without ``val``, ``epochs`` passes over the data (default 1), at most ``max_steps`` steps. With ``val``
     the run lasts until the validation score has not improved by more than ``config.min_delta`` for
     ``config.patience`` scores in a row (one every ``config.val_every`` steps, one before the first step and one
-    after the last), capped at ``max_steps`` and ``epochs`` passes (default :data:`VAL_EPOCHS_CAP` = 10); the decoder
-    then gets the weights of its best score back. The schedules span the cap (an early stop keeps lr and tau high).
+    after the last), capped at ``max_steps`` and ``epochs`` (default :data:`VAL_EPOCHS_CAP` = 10), and the decoder
+    gets its best weights back. The schedules span the cap (an early stop keeps lr and tau high).
 
     Args:
         data: a map-style Dataset of ``(image (3, H, W) in [0, 1], label, ...)`` items (label -1 = unknown), or a
@@ -142,24 +145,24 @@ def fit(
             resuming skips the batches already seen in the interrupted epoch).
         epochs: passes over the data; max_steps: stop after this many optimiser steps in total; batch_size: images
             per step and process (a Dataset only; also the images per validation batch).
-        checkpoint_dir: where checkpoints go (written every ``checkpoint_every`` steps and at the end).
-        resume: a checkpoint directory to continue from (optimizer, schedule, RNG, data position; with ``val`` also
-            the curve, the best weights and the patience count; a finished ``val`` run resumes from its best).
+        checkpoint_dir: where checkpoints go (every ``checkpoint_every`` steps and at the end); resume: one to
+            continue from (optimizer, schedule, RNG, data position; with ``val`` the curve, best weights, patience).
         num_workers: DataLoader workers for a Dataset; progress: a tqdm bar (rank 0), the latest val composite shown.
-        val: held-out images scored by the hard composite, insertion - deletion AUC (``aha.validation``): a Dataset
-            or DataLoader as ``data``, images (N, 3, H, W) or a tuple of tensors; DDP ranks share it.
+        val: held-out images scored by the hard composite (``aha.validation``): a Dataset or DataLoader as ``data``,
+            images (N, 3, H, W) or a tuple of tensors; DDP ranks share it.
+        teacher: the :class:`~attr_engine.aha.teacher.TeacherMaps` of a Dataset ``data``; iff teacher_weight > 0.
 
     Returns:
-        A :class:`History`: per-step lists (this run's) :data:`STEP_KEYS` and, in ``steps``, a :class:`StepRecord`
-        per step. With ``val`` also one entry per score over the whole curve (a resumed run's included; also in
-        the checkpoint's ``config.json`` under ``validation``): ``val_step``, ``val_composite``, ``val_deletion``,
-        ``val_insertion``, ``val_loss`` (mean training loss since the previous score; NaN before the first step).
+        A :class:`History`: this run's per-step lists :data:`STEP_KEYS`, a :class:`StepRecord` per step in ``steps``;
+        with ``val`` one entry per score of the whole curve (also in ``config.json``'s ``validation``): ``val_step``,
+        ``val_composite``, ``val_deletion``, ``val_insertion``, ``val_loss`` (mean training loss since the previous
+        score; NaN before the first step).
 
     Raises:
-        ValueError: a bad count, an empty or unusable ``val``, or a ``resume`` checkpoint of a run with a validation
-            set resumed without one (or with one of another size).
+        ValueError: a bad count or ``val``, a ``val`` run resumed without its ``val``, a wrong or missing teacher.
     """
     _check_fit_args(epochs, batch_size, max_steps, checkpoint_every, checkpoint_dir)
+    _check_teacher(aha.config.teacher_weight, teacher, data)
     val_images = check_val_data(val) if val is not None else None
     cfg = aha.config
     rank, world = _init_distributed(aha.device)
@@ -189,7 +192,7 @@ def fit(
         model = DistributedDataParallel(decoder, device_ids=[device.index] if device.type == "cuda" else None)
     loop = _Loop(aha, model, optimizer, scheduler, gen, rank, world, total, step, stopper, val, val_images,
                  batch_size, num_workers, None if checkpoint_dir is None else Path(checkpoint_dir),
-                 checkpoint_every, lineage, progress)  # fmt: skip
+                 checkpoint_every, lineage, progress, teacher)  # fmt: skip
     try:
         loop.run(data, per_epoch)
     finally:
@@ -218,6 +221,19 @@ def _check_fit_args(
             raise ValueError("checkpoint_every needs a checkpoint_dir")
 
 
+def _check_teacher(weight: float, teacher: TeacherMaps | None, data: Dataset | DataLoader) -> None:
+    if weight > 0 and teacher is None:
+        raise ValueError(f"config.teacher_weight is {weight}: fit needs teacher= (attr_engine.aha.teacher)")
+    if teacher is None:
+        return
+    if weight == 0:
+        raise ValueError("a teacher was given but config.teacher_weight is 0: set a weight or leave the teacher out")
+    if isinstance(data, DataLoader):
+        raise ValueError("a teacher is looked up by dataset index: give fit the Dataset, not a DataLoader")
+    if len(teacher) != len(data):  # type: ignore[arg-type]
+        raise ValueError(f"the teacher holds {len(teacher)} maps, the dataset {len(data)} items")  # type: ignore[arg-type]
+
+
 class _Loop:
     """One run of :func:`fit` past its set-up: the steps, the validation scores, the checkpoints and the end."""
 
@@ -241,12 +257,14 @@ class _Loop:
         checkpoint_every: int | None,
         lineage: list[Path],
         progress: bool,
+        teacher: TeacherMaps | None,
     ) -> None:
         self.aha, self.model, self.optimizer, self.scheduler, self.gen = aha, model, optimizer, scheduler, gen
         self.rank, self.world, self.total, self.step = rank, world, total, step
         self.stopper, self.val, self.val_images = stopper, val, val_images
         self.batch_size, self.num_workers = batch_size, num_workers
         self.checkpoint_dir, self.checkpoint_every, self.lineage = checkpoint_dir, checkpoint_every, lineage
+        self.teacher = teacher
         self.history = History({k: [] for k in STEP_KEYS})
         self.bar = tqdm(total=total, initial=step, desc="AHA", disable=not progress or rank != 0, dynamic_ncols=True)
         self.blur_kernel, self.blur_sigma = scaled_blur(aha.img_size)
@@ -283,8 +301,9 @@ class _Loop:
         aha, cfg, device = self.aha, self.aha.config, self.aha.device
         x, labels = x.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         tau = cfg.tau_start + (cfg.tau_end - cfg.tau_start) * self.step / max(1, self.total - 1)
+        taught = None if self.teacher is None or indices is None else self.teacher.batch(indices, device)
         stats, drawn = _train_step(aha, self.model, x, labels, tau, self.gen, self.rank, self.blur_kernel,
-                                   self.blur_sigma)  # fmt: skip
+                                   self.blur_sigma, taught)  # fmt: skip
         norm = torch.nn.utils.clip_grad_norm_(aha.decoder.parameters(), cfg.grad_clip or float("inf"))
         record = StepRecord(step=self.step, images=indices, grad_norm=float(norm), **drawn)
         self.optimizer.step()
@@ -354,9 +373,11 @@ def _train_step(
     rank: int,
     blur_kernel: int,
     blur_sigma: float,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """One forward/backward of the soft-AUC objective; returns batch means for the history and the
-    :class:`StepRecord` fields the step knows (all but ``step``, ``images`` and ``grad_norm``)."""
+    """One forward/backward of the soft-AUC objective (plus, with ``teacher``: the batch's teacher maps (B, H, W)
+    and their classes (B,), ``config.teacher_weight`` x the ranking loss); returns batch means for the history and
+    the :class:`StepRecord` fields the step knows (all but ``step``, ``images`` and ``grad_norm``)."""
     cfg = aha.config
     classifier = aha.classifier
     lo, hi = cfg.grid_range  # type: ignore[misc]
@@ -402,11 +423,15 @@ def _train_step(
         noise=cfg.noise, generator=sorter_seed, endpoints=endpoints, drop_flat=cfg.reference_draw == "signal",
         **cfg.loss_kwargs(),
     )  # fmt: skip
-    result.loss.backward()
+    loss, ranking = result.loss, _teacher_term(maps[: len(x)], targets[0], teacher, grid, offset)
+    if ranking is not None:
+        loss = loss + cfg.teacher_weight * ranking
+    loss.backward()
     stats = {
-        "loss": result.loss.item(),
+        "loss": loss.item(),
         "deletion": result.deletion.mean().item(),
         "insertion": result.insertion.mean().item(),
+        "teacher": float("nan") if ranking is None else ranking.item(),
     }
     deletion, insertion = result.deletion_curve.detach(), result.insertion_curve.detach()
     record = {
@@ -418,6 +443,27 @@ def _train_step(
         "flat": tuple(flat_curves(deletion, insertion).tolist()),
     }  # fmt: skip
     return stats, record
+
+
+def _teacher_term(
+    maps: torch.Tensor,
+    predicted: torch.Tensor,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None,
+    grid: int,
+    offset: tuple[float, float],
+) -> torch.Tensor | None:
+    """The mean ranking loss of the predicted class's maps (B, H, W) against the teacher's, over the images whose
+    teacher explains that class (a teacher made with another classifier, or augmented images, may not); None
+    without a teacher."""
+    if teacher is None:
+        return None
+    teacher_maps, teacher_targets = teacher
+    if teacher_maps.shape != maps.shape:
+        raise ValueError(f"the teacher's maps are {tuple(teacher_maps.shape[1:])}, the training images "
+                         f"{tuple(maps.shape[1:])}: compute them on the images fit is given")  # fmt: skip
+    same = (teacher_targets == predicted).to(maps.dtype)
+    per_image = teacher_ranking_loss(maps, teacher_maps, grid, offset)
+    return (per_image * same).sum() / same.sum().clamp_min(1.0)
 
 
 def _reference_images(aha: Trainee, x: torch.Tensor, blur: tuple[int, float]) -> torch.Tensor:

@@ -1,0 +1,196 @@
+"""AHA's teacher: the per-image optimum computed once in resumable, shardable parts, and the ranking loss that
+teaches the decoder (``AHAConfig.teacher_weight``, ``fit(..., teacher=)``).
+
+What a bug would break: a part holding another chunk's maps or seed, a resumed computation redoing finished parts, a
+sharded computation differing from a single process's, a folder with a rank missing (or parts of other settings)
+loading as complete, the loss not being zero on equal rankings or caring about the map's scale, training not moving
+the decoder's ranking toward the teacher, fit taking a teacher it ignores, a checkpoint losing the weight, or a
+resumed taught run ending elsewhere than an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attr_engine.aha import AHA, AHAConfig
+from attr_engine.aha.teacher import TEACHER_PART, TeacherMaps, compute_teacher_maps, teacher_ranking_loss
+from tests.aha_helpers import FAST, colour_classifier, colour_images
+
+# The AHA tests' smallest config with one target, and a learning rate that moves a decoder in a few steps.
+CHEAP = {**FAST, "targets": "pred", "n_fractions": 4, "lr": 3e-3}
+
+
+class _Items(torch.utils.data.Dataset):
+    """(image, label) items; ``fail_after`` reads, a KeyboardInterrupt (a run killed mid-way)."""
+
+    def __init__(self, n: int = 8, fail_after: int | None = None) -> None:
+        self.x, self.y = colour_images(n)
+        self.left = fail_after
+        # A blue square in each image, away from the class's blob at random: the colour classifier ignores it.
+        gen = torch.Generator().manual_seed(1)
+        for image in self.x:
+            top, left = torch.randint(0, 24, (2,), generator=gen).tolist()
+            image[2, top : top + 8, left : left + 8] = 0.9
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if self.left is not None:
+            if self.left == 0:
+                raise KeyboardInterrupt("simulated kill")
+            self.left -= 1
+        return self.x[i], int(self.y[i])
+
+
+def _blue_teacher(data: _Items) -> TeacherMaps:
+    """A teacher ranking the pixels by their blue value (the blue square first), which the colour classifier
+    ignores: the soft-AUC loss alone has no reason to learn that ranking."""
+    maps = data.x[:, 2].to(torch.float16)
+    with torch.no_grad():
+        targets = colour_classifier()(data.x).argmax(dim=1)
+    return TeacherMaps(maps, targets, {"steps": "0", "lr": "0", "seed": "0", "chunk": "1"})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Computing and loading the parts
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_each_part_holds_its_chunks_optimum_and_a_sharded_run_equals_one_process(tmp_path):
+    data = _Items(7)
+    aha = AHA(colour_classifier(), AHAConfig(**CHEAP))
+    paths = compute_teacher_maps(aha, data, tmp_path / "one", steps=2, chunk=3, progress=False)
+    assert [p.name for p in paths] == [TEACHER_PART.format(start=a, stop=b) for a, b in ((0, 3), (3, 6), (6, 7))]
+    for rank in (1, 0):
+        compute_teacher_maps(aha, data, tmp_path / "two", steps=2, chunk=3, rank=rank, world=2, progress=False)
+    one, two = TeacherMaps.load(tmp_path / "one", 7), TeacherMaps.load(tmp_path / "two", 7)
+    assert torch.equal(one.maps, two.maps) and torch.equal(one.targets, two.targets)
+    assert one.maps.shape == (7, 32, 32) and one.maps.dtype == torch.float16
+    # The middle part: items 3..5, the predicted classes, grids drawn from seed + 1.
+    x = data.x[3:6]
+    target = colour_classifier()(x).argmax(dim=1)
+    direct = aha.optimise_maps(x, target, steps=2, lr=0.05, seed=aha.config.seed + 1)[2]
+    torch.testing.assert_close(one.maps[3:6].float(), direct.to(torch.float16).float(), atol=0, rtol=0)
+    assert torch.equal(one.targets[3:6], target)
+    assert one.settings == {"steps": "2", "lr": "0.05", "seed": str(aha.config.seed), "chunk": "3"}
+
+
+def test_a_killed_computation_resumes_without_redoing_finished_parts(tmp_path):
+    aha = AHA(colour_classifier(), AHAConfig(**CHEAP))
+    with pytest.raises(KeyboardInterrupt):  # dies reading the second chunk: the first part is written
+        compute_teacher_maps(aha, _Items(6, fail_after=4), tmp_path, steps=1, chunk=3, progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == [TEACHER_PART.format(start=0, stop=3)]
+    with pytest.raises(ValueError, match="indices from 3 are missing"):
+        TeacherMaps.load(tmp_path, 6)
+    calls = []
+    real = aha.optimise_maps
+    aha.optimise_maps = lambda x, *a, **k: calls.append(len(x)) or real(x, *a, **k)  # type: ignore[method-assign]
+    compute_teacher_maps(aha, _Items(6), tmp_path, steps=1, chunk=3, progress=False)
+    assert calls == [3]  # only the missing chunk
+    compute_teacher_maps(aha, _Items(6), tmp_path, steps=2, chunk=3, progress=False)
+    assert calls == [3, 3, 3]  # other settings: both parts are redone
+    assert TeacherMaps.load(tmp_path, 6).settings["steps"] == "2"
+
+
+def test_loading_refuses_a_missing_rank_other_settings_and_another_dataset_size(tmp_path):
+    aha = AHA(colour_classifier(), AHAConfig(**CHEAP))
+    data = _Items(6)
+    compute_teacher_maps(aha, data, tmp_path / "half", steps=1, chunk=2, rank=0, world=2, progress=False)
+    with pytest.raises(ValueError, match=r"missing.*finish every rank"):
+        TeacherMaps.load(tmp_path / "half", 6)
+    compute_teacher_maps(aha, data, tmp_path / "half", steps=2, chunk=2, rank=1, world=2, progress=False)
+    with pytest.raises(ValueError, match="was made with"):
+        TeacherMaps.load(tmp_path / "half", 6)
+    compute_teacher_maps(aha, data, tmp_path / "whole", steps=1, chunk=2, progress=False)
+    with pytest.raises(ValueError, match=r"cover indices \[0, 6\), the dataset has 4"):
+        TeacherMaps.load(tmp_path / "whole", 4)
+    with pytest.raises(ValueError, match="no teacher parts"):
+        TeacherMaps.load(tmp_path / "empty", 6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loss
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_the_ranking_loss_is_zero_on_equal_rankings_blind_to_scale_and_pulls_toward_the_teacher():
+    gen = torch.Generator().manual_seed(0)
+    teacher = torch.rand(3, 16, 16, generator=gen)
+    same = teacher_ranking_loss(5.0 * teacher - 2.0, teacher, grid=4)
+    torch.testing.assert_close(same, torch.zeros(3), atol=1e-5, rtol=0)
+    reversed_ = teacher_ranking_loss(-teacher, teacher, grid=4)
+    assert (reversed_ > 0.5).all()
+    student = torch.rand(3, 16, 16, generator=gen, requires_grad=True)
+    before = teacher_ranking_loss(student, teacher, grid=4, offset=(0.3, 0.6))
+    before.sum().backward()
+    with torch.no_grad():
+        after = teacher_ranking_loss(student - 0.5 * student.grad, teacher, grid=4, offset=(0.3, 0.6))
+    assert (after < before.detach()).all()
+    with pytest.raises(ValueError, match="both be"):
+        teacher_ranking_loss(teacher, teacher[:, :8], grid=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training with a teacher
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _ranking_loss(aha: AHA, data: _Items, teacher: TeacherMaps) -> float:
+    with torch.no_grad():
+        maps = aha.attribute(data.x, teacher.targets)
+    losses = [teacher_ranking_loss(maps, teacher.maps.float(), grid) for grid in (2, 4, 6)]
+    return float(torch.stack(losses).mean())
+
+
+def test_the_teacher_phase_lowers_the_ranking_loss_against_the_teacher():
+    data = _Items(8)
+    teacher = _blue_teacher(data)
+    taught = AHA(colour_classifier(), AHAConfig(**CHEAP, teacher_weight=1.0))
+    alone = AHA(colour_classifier(), AHAConfig(**CHEAP))
+    alone.decoder.load_state_dict(taught.decoder.state_dict())
+    start = _ranking_loss(taught, data, teacher)
+    history = taught.fit(data, batch_size=4, epochs=20, max_steps=24, progress=False, teacher=teacher)
+    alone.fit(data, batch_size=4, epochs=20, max_steps=24, progress=False)
+    assert all(v == v for v in history["teacher"])  # recorded every step (not NaN)
+    taught_loss, alone_loss = _ranking_loss(taught, data, teacher), _ranking_loss(alone, data, teacher)
+    assert taught_loss < 0.7 * start and taught_loss < 0.7 * alone_loss, (start, taught_loss, alone_loss)
+
+
+def test_fit_refuses_a_missing_unwanted_or_mismatched_teacher():
+    data = _Items(8)
+    teacher = _blue_teacher(data)
+    taught = AHA(colour_classifier(), AHAConfig(**CHEAP, teacher_weight=1.0))
+    with pytest.raises(ValueError, match=r"teacher_weight is 1\.0: fit needs teacher="):
+        taught.fit(data, batch_size=4, max_steps=1, progress=False)
+    with pytest.raises(ValueError, match="teacher_weight is 0"):
+        AHA(colour_classifier(), AHAConfig(**CHEAP)).fit(data, batch_size=4, progress=False, teacher=teacher)
+    with pytest.raises(ValueError, match="not a DataLoader"):
+        loader = torch.utils.data.DataLoader(data, batch_size=4)
+        taught.fit(loader, max_steps=1, progress=False, teacher=teacher)
+    with pytest.raises(ValueError, match="holds 8 maps, the dataset 6 items"):
+        taught.fit(_Items(6), batch_size=2, max_steps=1, progress=False, teacher=teacher)
+    small = TeacherMaps(teacher.maps[:, :16, :16], teacher.targets, teacher.settings)
+    with pytest.raises(ValueError, match=r"teacher's maps are \(16, 16\), the training images \(32, 32\)"):
+        taught.fit(data, batch_size=4, max_steps=1, progress=False, teacher=small)
+    with pytest.raises(ValueError, match="teacher_weight"):
+        AHAConfig(teacher_weight=-1.0)
+
+
+def test_a_taught_run_keeps_its_weight_in_the_checkpoint_and_resumes_exactly(tmp_path):
+    config = AHAConfig(**CHEAP, teacher_weight=0.5)
+    teacher = _blue_teacher(_Items(8))
+    whole = AHA(colour_classifier(), config)
+    whole.fit(_Items(8), batch_size=4, epochs=2, progress=False, teacher=teacher)  # 2 steps an epoch, 4 in all
+
+    crashed = AHA(colour_classifier(), config)
+    with pytest.raises(KeyboardInterrupt):  # during step 4: the checkpoint after step 2 is the last
+        crashed.fit(_Items(8, fail_after=13), batch_size=4, epochs=2, progress=False, checkpoint_dir=tmp_path,
+                    checkpoint_every=2, teacher=teacher)  # fmt: skip
+    assert AHA.load(tmp_path, colour_classifier()).config.teacher_weight == 0.5
+    resumed = AHA(colour_classifier(), config)
+    history = resumed.fit(_Items(8), batch_size=4, epochs=2, progress=False, resume=tmp_path, teacher=teacher)
+    assert [record.step for record in history.steps] == [2, 3]
+    for key, value in whole.decoder.state_dict().items():
+        torch.testing.assert_close(resumed.decoder.state_dict()[key], value, atol=0, rtol=0, msg=key)
