@@ -3,7 +3,8 @@
 Batch attribution needs no communication: every process lists the same inputs in the same (sorted) order and takes
 its own round-robin share, so the shares are disjoint, cover every input, and differ in size by at most one. Each
 process writes only its own outputs. ``torchrun`` sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; outside it the
-process is rank 0 of 1. Training (``AHA.fit``) starts a real process group itself when ``WORLD_SIZE`` > 1.
+process is rank 0 of 1. Training (``AHA.fit``) needs a real process group when ``WORLD_SIZE`` > 1 and starts it with
+:func:`init_process_group`, which also gives work done before training (the teacher maps) a barrier.
 
 Example (a Ray/Spark-style map over shards needs nothing more)::
 
@@ -19,10 +20,11 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 
 from attr_engine_kernels.validate import check_int_at_least
 
-__all__ = ["local_device", "process_rank", "shard"]
+__all__ = ["init_process_group", "local_device", "process_rank", "shard"]
 
 T = TypeVar("T")
 
@@ -50,6 +52,20 @@ def process_rank() -> tuple[int, int]:
     if not 0 <= rank < world:
         raise ValueError(f"RANK must be in [0, WORLD_SIZE={world}), got {rank}")
     return rank, world
+
+
+def init_process_group(device: torch.device) -> tuple[int, int]:
+    """``(rank, world_size)`` of this process, with the default process group started when ``WORLD_SIZE`` > 1.
+
+    NCCL on CUDA devices, gloo on the CPU; a group already started (by the caller or an earlier call) is kept.
+    Outside ``torchrun`` nothing is started and the answer is ``(0, 1)``.
+    """
+    world = _env_int("WORLD_SIZE", 1)
+    if world <= 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
 
 
 def shard(items: Sequence[T], rank: int, world: int) -> list[T]:

@@ -78,7 +78,8 @@ MIN_EXPORT_SIDE = 8
 SMALL_MODEL_MIN_SIDE = 32
 SMALL_VIT_GRID = 8
 # The least value of each count both the library and the command line take, by the library's option name: a
-# refinement may take no step, a perturbation curve needs two points, the others at least one.
+# refinement may take no step, a perturbation curve needs two points, the others at least one (a teacher of no step
+# would be the decoder's own maps).
 COUNT_MINIMUM: dict[str, int] = {
     "refine_steps": 0,
     "batch_size": 1,
@@ -88,6 +89,7 @@ COUNT_MINIMUM: dict[str, int] = {
     "val_every": 1,
     "patience": 1,
     "n_fractions": 2,
+    "teacher_steps": 1,
 }
 
 

@@ -10,6 +10,8 @@ resumed taught run ending elsewhere than an uninterrupted one.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -194,3 +196,103 @@ def test_a_taught_run_keeps_its_weight_in_the_checkpoint_and_resumes_exactly(tmp
     assert [record.step for record in history.steps] == [2, 3]
     for key, value in whole.decoder.state_dict().items():
         torch.testing.assert_close(resumed.decoder.state_dict()[key], value, atol=0, rtol=0, msg=key)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command line: train-aha --teacher
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_train_aha_with_a_teacher_computes_it_once_learns_from_it_and_resumes(tmp_path, capsys):
+    from attr_engine.cli import main
+    from tests.eval_helpers import untrained_resnet_checkpoint
+
+    config = tmp_path / "aha.yaml"
+    fields = {**CHEAP, "grid_range": list(FAST["grid_range"])}
+    config.write_text(json.dumps({"aha": fields}))  # JSON is YAML
+    teacher, out = tmp_path / "teacher", tmp_path / "aha"
+    base = ["train-aha", "--classifier", str(untrained_resnet_checkpoint(tmp_path)), "--out", str(out),
+            "--num-images", "10", "--img-size", "32", "--batch-size", "4", "--config", str(config), "--no-progress",
+            "--teacher", str(teacher), "--teacher-steps", "2"]  # fmt: skip
+    assert main([*base, "--max-steps", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert f"teacher: the optimum of 10 training images in {teacher}" in printed and "teacher ranking loss" in printed
+    parts = sorted(teacher.glob("teacher-*.safetensors"))
+    assert [p.name for p in parts] == [TEACHER_PART.format(start=0, stop=10)]  # one chunk of 16 holds all 10
+    summary = json.loads((out / "train.json").read_text())
+    assert summary["teacher_settings"]["steps"] == "2" and summary["teacher"] == str(teacher)
+    assert json.loads((out / "config.json").read_text())["config"]["teacher_weight"] == 1.0  # the flag's default
+    loaded = TeacherMaps.load(teacher, 10)
+    assert loaded.maps.shape == (10, 32, 32) and torch.isfinite(loaded.maps.float()).all()
+
+    # Resuming keeps the finished parts (same bytes, not rewritten) and trains on.
+    stamp = parts[0].stat().st_mtime_ns
+    assert main([*base, "--max-steps", "2", "--resume"]) == 0
+    assert parts[0].stat().st_mtime_ns == stamp
+    assert json.loads((out / "config.json").read_text())["steps_trained"] == 2
+
+    # The teacher's flags are checked before any work, in one line each.
+    for extra, message in (
+        (["--teacher-steps", "0"], "--teacher-steps"),
+        (["--teacher-lr", "nan"], "--teacher-lr must be a finite number > 0"),
+        (["--teacher-weight", "0"], "--teacher-weight must be a finite number > 0"),
+    ):
+        assert main([*base, "--overwrite", *extra]) == 2
+        assert message in capsys.readouterr().err
+    no_teacher = base[: base.index("--teacher")]
+    assert main([*no_teacher, "--overwrite", "--teacher-weight", "2"]) == 2
+    assert "--teacher-weight needs --teacher" in capsys.readouterr().err
+    # A stray part in the folder is refused by name, not mixed in.
+    (teacher / TEACHER_PART.format(start=0, stop=4)).write_bytes(parts[0].read_bytes())
+    assert main([*base, "--overwrite", "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"--teacher {teacher}: teacher part teacher-000000000-000000004.safetensors does not hold" in err, err
+
+
+def _train_aha_worker(rank: int, world: int, port: int, args: list[str], status: str) -> None:
+    import os
+
+    from attr_engine.cli import main
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
+    torch.set_num_threads(1)
+    if rank == 0:  # rank 0 starts its share late: rank 1 must wait for it before loading the whole teacher
+        import time
+
+        import attr_engine.aha.teacher as module
+
+        compute = module.compute_teacher_maps
+
+        def late(*args, **kwargs):
+            time.sleep(3)
+            return compute(*args, **kwargs)
+
+        module.compute_teacher_maps = late
+    code = main(args)
+    with open(f"{status}.{rank}", "w") as f:
+        f.write(str(code))
+    torch.distributed.destroy_process_group()
+
+
+def test_under_two_processes_each_computes_its_chunks_and_both_train_on_all(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from tests.eval_helpers import untrained_resnet_checkpoint
+
+    config = tmp_path / "aha.yaml"
+    config.write_text(json.dumps({"aha": {**CHEAP, "grid_range": list(FAST["grid_range"])}}))
+    teacher, out = tmp_path / "teacher", tmp_path / "aha"
+    args = ["train-aha", "--classifier", str(untrained_resnet_checkpoint(tmp_path)), "--out", str(out),
+            "--num-images", "40", "--img-size", "32", "--batch-size", "4", "--config", str(config), "--no-progress",
+            "--teacher", str(teacher), "--teacher-steps", "1", "--max-steps", "1", "--device", "cpu"]  # fmt: skip
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_train_aha_worker, args=(2, port, args, str(tmp_path / "status")), nprocs=2, join=True)
+    assert [(tmp_path / f"status.{r}").read_text() for r in (0, 1)] == ["0", "0"]
+    spans = [(0, 16), (16, 32), (32, 40)]  # chunks 0 and 2 are rank 0's, chunk 1 rank 1's
+    assert sorted(p.name for p in teacher.iterdir()) == [TEACHER_PART.format(start=a, stop=b) for a, b in spans]
+    assert len(TeacherMaps.load(teacher, 40)) == 40
+    assert json.loads((out / "config.json").read_text())["steps_trained"] == 1

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
@@ -42,6 +41,7 @@ from attr_engine.aha.loss import FLAT_SPREAD, curve_spread, flat_curves, soft_au
 from attr_engine.aha.persistence import Checkpointable, latest_training_checkpoint, save_training_checkpoint
 from attr_engine.aha.teacher import TeacherMaps, teacher_ranking_loss
 from attr_engine.aha.validation import EarlyStopping, Scored, ValData, check_val_data, score_validation
+from attr_engine.distributed import init_process_group
 from attr_engine.guards import check_count
 from attr_engine.imageops import reference_image, scaled_blur
 
@@ -165,7 +165,7 @@ def fit(
     _check_teacher(aha.config.teacher_weight, teacher, data)
     val_images = check_val_data(val) if val is not None else None
     cfg = aha.config
-    rank, world = _init_distributed(aha.device)
+    rank, world = init_process_group(aha.device)
     per_epoch = _steps_per_epoch(data, batch_size, world)
     if per_epoch == 0:
         raise ValueError(f"not enough data for one batch of {batch_size} per process (world size {world})")
@@ -580,15 +580,6 @@ def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------------------------
 # Distributed and checkpoints
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def _init_distributed(device: torch.device) -> tuple[int, int]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, 1
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size()
 
 
 def _load_trainer_state(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,9 @@ from attr_engine.guards import (
     check_data_dir,
     check_model_name_path,
 )
+
+# train-aha's teacher weight when --teacher is given and neither the config nor --teacher-weight sets one.
+DEFAULT_TEACHER_WEIGHT = 1.0
 
 
 def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
@@ -95,9 +99,26 @@ def register(subparsers: Any) -> dict[str, argparse.ArgumentParser]:
     ta.add_argument("--aha-option", action="append", metavar="KEY=VALUE", help="any AHAConfig field, repeatable")
     ta.add_argument("--workers", type=int, default=0, help="data-loading worker processes (default 0: in this process)")
     ta.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_teacher_args(ta)
     add_device_arg(ta)
     ta.set_defaults(run=run_train_aha, _config_sections=("aha",))
     return {"train-classifier": tc, "train-aha": ta}
+
+
+def _add_teacher_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "teacher",
+        "The decoder also learns to rank each training image's regions like that image's per-image optimum (AHA's "
+        "objective optimised on the image alone, the maps AHA.optimise_maps gives). The optimum is computed once per "
+        "training image and stored in the --teacher folder; under torchrun each process computes its share.",
+    )
+    group.add_argument("--teacher", metavar="DIR", help="the teacher maps' folder: parts missing there are computed "
+                       "first (a killed run keeps the finished ones), then training learns from them")  # fmt: skip
+    group.add_argument("--teacher-weight", type=float, default=None, metavar="W",
+                       help="weight of the teacher's ranking loss beside the soft AUCs (AHAConfig.teacher_weight; "
+                       "default 1.0 with --teacher)")  # fmt: skip
+    group.add_argument("--teacher-steps", type=int, default=30, help="optimum steps per image (default 30)")
+    group.add_argument("--teacher-lr", type=float, default=0.05, help="the optimum's Adam step size (default 0.05)")
 
 
 def _add_data_args(parser: argparse.ArgumentParser, *, default_images: int) -> None:
@@ -270,9 +291,11 @@ def aha_config_from_args(args: argparse.Namespace) -> Any:
 
     fields: dict[str, Any] = dict(getattr(args, "aha_section", None) or {})
     fields.update(parse_key_values(args.aha_option, "--aha-option"))
-    for flag in ("seed", "lr", "n_fractions", "targets", "val_every", "patience"):
+    for flag in ("seed", "lr", "n_fractions", "targets", "val_every", "patience", "teacher_weight"):
         if getattr(args, flag, None) is not None:
             fields[flag] = getattr(args, flag)
+    if getattr(args, "teacher", None) and "teacher_weight" not in fields:
+        fields["teacher_weight"] = DEFAULT_TEACHER_WEIGHT
     try:
         return AHAConfig.from_dict(fields)  # JSON / YAML lists become tuples there
     except TypeError as err:
@@ -290,6 +313,20 @@ def _check_aha_training(args: argparse.Namespace) -> None:
         raise UsageError(f"--val-fraction: the validation fraction must be in (0, 1), got {args.val_fraction}")
     check_data_dir(args.data, embedded=EMBEDDED)
     check_classifier_args(args)
+    _check_teacher_args(args)
+
+
+def _check_teacher_args(args: argparse.Namespace) -> None:
+    if args.teacher is None:
+        if args.teacher_weight is not None:
+            raise UsageError("--teacher-weight needs --teacher (the folder of the teacher maps)")
+        return
+    check_count(args.teacher_steps, "teacher_steps", flag="--teacher-steps")
+    if not math.isfinite(args.teacher_lr) or args.teacher_lr <= 0:
+        raise UsageError(f"--teacher-lr must be a finite number > 0, got {args.teacher_lr}")
+    if args.teacher_weight is not None and not (math.isfinite(args.teacher_weight) and args.teacher_weight > 0):
+        raise UsageError(f"--teacher-weight must be a finite number > 0 with --teacher, got {args.teacher_weight}")
+    check_writable_dir(args.teacher)
 
 
 def run_train_aha(args: argparse.Namespace) -> int:
@@ -325,6 +362,11 @@ def run_train_aha(args: argparse.Namespace) -> int:
         raise UsageError(f"--batch-size {args.batch_size} is more than the {len(train) // world} images per process")
     aha = AHA(classifier, config, img_size=img_size)
     work_started()
+    teacher, teacher_seconds = None, 0.0
+    if args.teacher:
+        start = time.perf_counter()
+        teacher = teacher_maps(args, aha, train, rank=rank, world=world)
+        teacher_seconds = time.perf_counter() - start
     start = time.perf_counter()
     history = aha.fit(
         train,
@@ -337,10 +379,33 @@ def run_train_aha(args: argparse.Namespace) -> int:
         num_workers=args.workers,
         progress=not args.no_progress,
         val=val,
+        teacher=teacher,
     )
     if rank == 0:
-        _report_aha(args, aha, history, out, seconds=time.perf_counter() - start, world=world, val=val)
+        seconds = time.perf_counter() - start
+        _report_aha(args, aha, history, out, seconds=seconds, world=world, val=val, teacher=teacher,
+                    teacher_seconds=teacher_seconds)  # fmt: skip
     return 0
+
+
+def teacher_maps(args: argparse.Namespace, aha: Any, train: Any, *, rank: int, world: int) -> Any:
+    """The :class:`~attr_engine.aha.teacher.TeacherMaps` of the training part ``train``, read from ``--teacher``
+    after this process has computed its missing share (under torchrun every process waits for the others)."""
+    from attr_engine.aha.teacher import TeacherMaps, compute_teacher_maps
+    from attr_engine.distributed import init_process_group
+
+    folder = Path(args.teacher)
+    compute_teacher_maps(aha, train, folder, steps=args.teacher_steps, lr=args.teacher_lr, rank=rank, world=world,
+                         progress=not args.no_progress)  # fmt: skip
+    if world > 1:
+        import torch.distributed as dist
+
+        init_process_group(aha.device)
+        dist.barrier()
+    try:
+        return TeacherMaps.load(folder, len(train))
+    except ValueError as err:
+        raise UsageError(f"--teacher {folder}: {err}") from None
 
 
 def split_validation(data: Any, fraction: float | None, *, seed: int) -> tuple[Any, Any]:
@@ -361,7 +426,7 @@ def split_validation(data: Any, fraction: float | None, *, seed: int) -> tuple[A
 
 def _report_aha(
     args: argparse.Namespace, aha: Any, history: dict[str, list[float]], out: Path, *, seconds: float, world: int,
-    val: Any,
+    val: Any, teacher: Any, teacher_seconds: float,
 ) -> None:  # fmt: skip
     """Print the run's summary line and write ``OUT/train.json`` (and ``OUT/val_curve.png`` with validation)."""
     from attr_engine.aha.persistence import CONFIG_FILE
@@ -375,12 +440,19 @@ def _report_aha(
         ins = sum(history["insertion"][-tail:]) / tail
         trend = f"; last steps: soft deletion {dele:.3f}, soft insertion {ins:.3f}"
     world_note = f" on {world} processes" if world > 1 else ""
+    if teacher is not None:
+        ranking = [v for v in history["teacher"][-tail:] if v == v]  # NaN: no image of the step had its class
+        trend += f", teacher ranking loss {sum(ranking) / len(ranking):.3f}" if ranking else ""
+        print(f"teacher: the optimum of {len(teacher)} training images in {args.teacher} ({teacher_seconds:.0f} s)")
     print(
         f"AHA: {steps} step(s) this run, {aha.steps_trained} in total{world_note}, "
         f"{seconds:.0f} s{trend}; checkpoint in {out}"
     )
     summary: dict[str, Any] = {"steps_this_run": steps, "steps_trained": aha.steps_trained, "world": world,
                                "seconds": round(seconds, 2), "data": args.data, "seed": aha.config.seed}  # fmt: skip
+    if teacher is not None:
+        summary.update(teacher=str(args.teacher), teacher_settings=teacher.settings,
+                       teacher_seconds=round(teacher_seconds, 2))  # fmt: skip
     if val is not None:
         # The checkpoint's own record of the curve: the whole run's, a resumed one's earlier scores included.
         validation = load_json(out / CONFIG_FILE)["validation"]
