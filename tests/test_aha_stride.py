@@ -120,6 +120,25 @@ def test_the_guided_upsampling_equals_its_definition_pixel_by_pixel():
         torch.testing.assert_close(up(low, x), _joint_bilateral_by_the_pixel(up, low, x), atol=1e-5, rtol=1e-5)
 
 
+def test_a_batch_is_upsampled_in_slices_that_equal_the_whole_batch_and_its_gradient(monkeypatch):
+    from attr_engine.aha import network
+
+    torch.manual_seed(0)
+    up = GuidedUpsample(4)
+    low, x = torch.randn(5, 3, 2, requires_grad=True), torch.rand(5, 3, 12, 8)
+    whole = up(low, x)  # 5 x 9 x 96 logits: far below the budget, one step
+    (grad_whole,) = torch.autograd.grad(whole.square().sum(), low)
+    calls = []
+    upsample = GuidedUpsample._upsample
+    monkeypatch.setattr(GuidedUpsample, "_upsample", lambda self, m, g: calls.append(len(m)) or upsample(self, m, g))
+    monkeypatch.setattr(network, "GUIDED_SLICE_BYTES", 2 * 9 * 12 * 8 * 4)  # two images' logits
+    sliced = up(low, x)
+    assert calls == [2, 2, 1]
+    (grad_sliced,) = torch.autograd.grad(sliced.square().sum(), low)
+    torch.testing.assert_close(sliced, whole, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad_sliced, grad_whole, atol=1e-6, rtol=1e-6)
+
+
 def test_training_at_a_stride_moves_the_upsampler_and_lowers_the_soft_deletion():
     torch.manual_seed(0)
     clf = colour_classifier()

@@ -34,6 +34,10 @@ DISTANCE_EPS = 0.02
 # exp(-12.5 c^2) for a squared colour difference c^2 (summed over RGB in [0, 1]: sigma 0.2), both learned from there.
 GUIDED_SPATIAL_SCALE = 2.0
 GUIDED_COLOUR_SCALE = 12.5
+# The bytes one slice of the guided upsampling's (b, 9, H, W) float32 logits may take: a batch is upsampled a few
+# images at a time (2 at 224 px, 28 at 64 px), so the temporaries stay in the cache; one (32, 9, 224, 224) tensor is
+# 58 MB. Chosen from a sweep of 1-64 MiB at 1 and 2 threads (benches/README.md, "The guided upsampler alone").
+GUIDED_SLICE_BYTES = 4 * 2**20
 
 
 class FeatureBackbone(nn.Module):
@@ -353,7 +357,20 @@ class GuidedUpsample(nn.Module):
         self.register_buffer("spatial", (dy + dx).reshape(9, stride * stride, 1, 1), persistent=False)
 
     def forward(self, maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """maps (B, h, w); x (B, 3, h * stride, w * stride) the guide image -> (B, h * stride, w * stride)."""
+        """maps (B, h, w); x (B, 3, h * stride, w * stride) the guide image -> (B, h * stride, w * stride).
+
+        In eager mode a batch is upsampled in slices of :data:`GUIDED_SLICE_BYTES` worth of logits (each image's
+        result is the same as alone); a graph being traced or exported sees one whole-batch step, so its batch
+        dimension stays symbolic.
+        """
+        if _tracing():
+            return self._upsample(maps, x)
+        per_slice = max(1, GUIDED_SLICE_BYTES // (9 * x.shape[-2] * x.shape[-1] * 4))
+        if len(maps) <= per_slice:
+            return self._upsample(maps, x)
+        return torch.cat([self._upsample(m, g) for m, g in zip(maps.split(per_slice), x.split(per_slice), strict=True)])
+
+    def _upsample(self, maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         s = self.stride
         bsz, height, width = maps.shape
         x = x.float()
@@ -376,6 +393,16 @@ class GuidedUpsample(nn.Module):
         logits = logits + (cell_terms[:, :, None] - self.spatial_log.exp() * self.spatial)
         out = (logits.softmax(1) * near_maps[:, :, None]).sum(1)  # (B, s^2, h, w)
         return F.pixel_shuffle(out, s)[:, 0]
+
+
+def _tracing() -> bool:
+    """Whether a graph is being captured (torch.export / torch.compile / the ONNX exporters / TorchScript tracing)."""
+    return (
+        torch.compiler.is_compiling()
+        or torch.compiler.is_exporting()
+        or torch.onnx.is_in_onnx_export()
+        or torch.jit.is_tracing()
+    )
 
 
 class Decoder(nn.Module):
