@@ -77,6 +77,9 @@ def test_each_part_holds_its_chunks_optimum_and_a_sharded_run_equals_one_process
     torch.testing.assert_close(one.maps[3:6].float(), direct.to(torch.float16).float(), atol=0, rtol=0)
     assert torch.equal(one.targets[3:6], target)
     assert one.settings == {"steps": "2", "lr": "0.05", "seed": str(aha.config.seed), "chunk": "3"}
+    with pytest.raises(ValueError, match="steps"):  # no step: the decoder's own maps, nothing to teach
+        compute_teacher_maps(aha, data, tmp_path / "none", steps=0, progress=False)
+    assert not (tmp_path / "none").exists()
 
 
 def test_a_killed_computation_resumes_without_redoing_finished_parts(tmp_path):

@@ -83,7 +83,8 @@ def compute_teacher_maps(
         data: a map-style Dataset of ``(image (3, H, W) in [0, 1], label, ...)`` items of one size, the one
             training will use (the teacher is looked up by dataset index).
         out: the folder of the parts (created; parts already there with these settings are kept).
-        steps, lr: :meth:`~attr_engine.aha.model.AHA.optimise_maps`'s Adam steps and step size.
+        steps, lr: :meth:`~attr_engine.aha.model.AHA.optimise_maps`'s Adam steps (at least 1: no step would teach
+            the decoder its own maps) and step size.
         chunk: items per part (and per optimise_maps call): chunk ``k`` holds indices ``[k * chunk, (k + 1) *
             chunk)`` and draws its grids from ``config.seed + k``, so the maps do not depend on ``world``.
         rank, world: this process computes the chunks ``k`` with ``k % world == rank``.
@@ -92,7 +93,7 @@ def compute_teacher_maps(
     Returns:
         The paths of this rank's parts, in index order.
     """
-    check_int_at_least(steps, "steps", 0)
+    check_int_at_least(steps, "steps", 1)
     check_positive(lr, "lr")
     check_int_at_least(chunk, "chunk", 1)
     check_int_at_least(world, "world", 1)
