@@ -56,7 +56,9 @@ __all__ = [
     "ItemResult",
     "RayEngine",
     "RemoteWorkerError",
+    "TeacherPartWorker",
     "attribute_dataset",
+    "compute_teacher_maps_ray",
     "explain_items",
     "plan_actors",
     "ray_session",
@@ -614,3 +616,105 @@ class RayEngine:
         return explain_items(
             job, items, actors=self.actors, num_gpus=self.num_gpus, address=self.address, verbose=self.verbose
         )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AHA's teacher maps on an actor pool
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class TeacherPartWorker:
+    """The callable class for :meth:`ray.data.Dataset.map_batches` of :func:`compute_teacher_maps_ray`: the
+    explainer placed on this actor's device once, then each row's chunk of the teacher maps computed and stored
+    (:func:`attr_engine.aha.teacher.compute_teacher_part`: a part already written with these settings is kept).
+
+    Args:
+        aha: the explainer whose per-image optimum is the teacher (an :class:`attr_engine.aha.AHA` on the CPU, as
+            Ray ships it); ``data``: the map-style dataset; ``out``: the parts' folder, the same path on every node.
+        settings: ``steps``, ``lr``, ``chunk`` (compute_teacher_part's keywords) and ``device`` (``auto``, ``cpu``,
+            ``cuda``).
+    """
+
+    def __init__(self, aha: Any, data: Any, out: str, settings: Mapping[str, Any]) -> None:
+        from attr_engine.distributed import local_device
+
+        self.settings = dict(settings)
+        self.aha = aha.to(local_device(self.settings.pop("device")))
+        self.data, self.out = data, out
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        """``batch``: ``{"id": (N,) chunk indices}``; returns ``chunk``, ``part`` (file name) and ``computed``
+        (False where an earlier run had written the part), N rows."""
+        import numpy as np
+
+        from attr_engine.aha.teacher import compute_teacher_part
+
+        done = [compute_teacher_part(self.aha, self.data, self.out, int(k), **self.settings) for k in batch["id"]]
+        return {"chunk": np.asarray(batch["id"], np.int64), "part": np.array([path.name for path, _ in done]),
+                "computed": np.array([computed for _, computed in done])}  # fmt: skip
+
+
+def compute_teacher_maps_ray(
+    aha: Any,
+    data: Any,
+    out: str | os.PathLike[str],
+    *,
+    steps: int = 30,
+    lr: float = 0.05,
+    chunk: int = 16,
+    actors: int = 1,
+    num_gpus: float = 0.0,
+    device: str = "auto",
+) -> list[tuple[Path, bool]]:
+    """AHA's teacher maps of ``data`` (:func:`attr_engine.aha.teacher.compute_teacher_maps`'s parts: the same
+    tensors and settings) computed by a Ray Data pool of ``actors`` actors, one chunk of ``chunk`` items per task,
+    on the connected Ray cluster (:func:`ray_session`; ``ray.init`` is called by Ray itself when none is).
+
+    The parts' folder ``out`` must be one every node writes to (a shared filesystem). Each part is written
+    atomically and skipped when already there, so a lost actor's chunk is redone by Ray's retry or by running this
+    again, never any finished one. The explainer and the dataset travel to the actors by Ray's own serialisation
+    (the dataset holds its file paths, not images: the images are read by the actors).
+
+    Args:
+        aha: the explainer (moved to a copy on the CPU for shipping; the caller's is not changed).
+        actors: actors in the pool, each with one CPU; ``num_gpus``: GPUs per actor (:func:`plan_actors`).
+        device: the actors' device (``auto``: their GPU where they have one).
+
+    Returns:
+        Every part's path and whether this call computed it, in index order. Load them with
+        :meth:`attr_engine.aha.teacher.TeacherMaps.load`.
+    """
+    import copy
+
+    import ray.data
+
+    from attr_engine.aha.teacher import teacher_chunks
+
+    check_int_at_least(steps, "steps", 1)
+    check_int_at_least(actors, "actors", 1)
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    chunks = teacher_chunks(data, chunk)
+    folder = Path(out).resolve()  # absolute: an actor's working directory is not the driver's
+    folder.mkdir(parents=True, exist_ok=True)
+    shipped = aha if aha.device.type == "cpu" else copy.deepcopy(aha).cpu()
+    settings = {"steps": steps, "lr": lr, "chunk": chunk, "device": device}
+    # The chunk indices as in-memory blocks (ray.data.range would need read tasks, and CPUs for them beside the
+    # actors: a pool that takes every CPU of the cluster would wait for them forever).
+    ds = ray.data.from_items([{"id": k} for k in range(chunks)]).map_batches(
+        TeacherPartWorker,
+        fn_constructor_args=(shipped, data, str(folder), settings),
+        batch_size=1,
+        batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=actors),
+        num_gpus=num_gpus,
+        num_cpus=1.0,
+    )
+    try:
+        rows = sorted(ds.take_all(), key=lambda row: int(row["chunk"]))
+    except Exception as err:
+        if not _is_ray_error(err):
+            raise
+        kind, message = _one_line(err)
+        raise RemoteWorkerError(f"teacher maps on Ray: {message}", kind) from None
+    return [(folder / str(row["part"]), bool(row["computed"])) for row in rows]

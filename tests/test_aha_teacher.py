@@ -245,6 +245,11 @@ def test_train_aha_with_a_teacher_computes_it_once_learns_from_it_and_resumes(tm
     no_teacher = base[: base.index("--teacher")]
     assert main([*no_teacher, "--overwrite", "--teacher-weight", "2"]) == 2
     assert "--teacher-weight needs --teacher" in capsys.readouterr().err
+    assert main([*no_teacher, "--overwrite", "--teacher-engine", "ray"]) == 2
+    assert "--teacher-engine needs --teacher" in capsys.readouterr().err
+    for extra in (["--teacher-actors", "2"], ["--address", "auto"]):  # Ray's flags without the Ray engine
+        assert main([*base, "--overwrite", *extra]) == 2
+        assert f"{extra[0]} applies to --teacher-engine ray only" in capsys.readouterr().err
     # A stray part in the folder is refused by name, not mixed in.
     (teacher / TEACHER_PART.format(start=0, stop=4)).write_bytes(parts[0].read_bytes())
     assert main([*base, "--overwrite", "--max-steps", "1"]) == 2

@@ -304,3 +304,81 @@ def test_an_unreachable_cluster_is_one_line_fast_and_writes_nothing(data, tmp_pa
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert "cannot reach the Ray cluster" in lines[0] or "needs the Ray client" in lines[0]
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AHA's teacher maps on the actor pool
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _ColourItems(torch.utils.data.Dataset):
+    """The colour images of tests.aha_helpers as (image, label) items; reading item ``bad`` raises (an image an
+    actor cannot read). Defined here, so it travels to the actors by value."""
+
+    def __init__(self, n: int, bad: int | None = None) -> None:
+        from tests.aha_helpers import colour_images
+
+        self.x, self.y = colour_images(n)
+        self.bad = bad
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if i == self.bad:
+            raise ValueError(f"cannot read item {i}")
+        return self.x[i], int(self.y[i])
+
+
+def test_teacher_maps_on_ray_equal_one_process_and_a_rerun_computes_only_what_is_missing(cluster, tmp_path):
+    """An actor's error (an unreadable item) is one line and leaves the parts finished so far; the rerun computes
+    exactly the missing ones, and the parts equal the single process's (tensors and settings)."""
+    import tests.aha_helpers as helpers
+    from attr_engine.aha import AHA, AHAConfig
+    from attr_engine.aha.teacher import TeacherMaps, compute_teacher_maps
+    from attr_engine.checkpoint import load_safetensors
+    from attr_engine.ray import RemoteWorkerError, compute_teacher_maps_ray
+
+    ray.cloudpickle.register_pickle_by_value(helpers)  # the colour classifier travels by value too
+    try:
+        aha = AHA(helpers.colour_classifier(), AHAConfig(**{**helpers.FAST, "targets": "pred", "n_fractions": 4}))
+        local = compute_teacher_maps(aha, _ColourItems(7), tmp_path / "local", steps=2, chunk=3, progress=False)
+        with pytest.raises(RemoteWorkerError, match="cannot read item 4") as caught:
+            compute_teacher_maps_ray(aha, _ColourItems(7, bad=4), tmp_path / "ray", steps=2, chunk=3, actors=2)
+        assert "\n" not in str(caught.value)
+        kept = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ray").iterdir()}
+        assert local[1].name not in kept and set(kept) <= {local[0].name, local[2].name}
+
+        parts = compute_teacher_maps_ray(aha, _ColourItems(7), tmp_path / "ray", steps=2, chunk=3, actors=2)
+        assert [path.name for path, _ in parts] == [path.name for path in local]
+        assert [computed for _, computed in parts] == [path.name not in kept for path, _ in parts]
+        for (path, _), own in zip(parts, local, strict=True):
+            assert kept.get(path.name, path.stat().st_mtime_ns) == path.stat().st_mtime_ns  # finished: untouched
+            (ours, meta), (theirs, own_meta) = load_safetensors(path), load_safetensors(own)
+            assert meta == own_meta and ours.keys() == theirs.keys()
+            assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+        assert TeacherMaps.load(tmp_path / "ray", 7).settings == TeacherMaps.load(tmp_path / "local", 7).settings
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(helpers)
+
+
+def test_train_aha_computes_its_teacher_on_ray_then_resumes_without_recomputing(cluster, tmp_path, capsys):
+    from attr_engine.aha.teacher import TEACHER_PART, TeacherMaps
+    from tests.eval_helpers import untrained_resnet_checkpoint
+
+    teacher, out = tmp_path / "teacher", tmp_path / "aha"
+    base = ["train-aha", "--classifier", str(untrained_resnet_checkpoint(tmp_path)), "--out", str(out),
+            "--num-images", "10", "--img-size", "32", "--batch-size", "4", "--no-progress", "--aha-option",
+            "n_fractions=4", "--teacher", str(teacher), "--teacher-steps", "1", "--teacher-engine", "ray"]  # fmt: skip
+    assert main([*base, "--max-steps", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "teacher: 1 of 1 parts computed on 1 Ray actor(s)" in printed, printed
+    assert f"teacher: the optimum of 10 training images in {teacher}" in printed
+    part = teacher / TEACHER_PART.format(start=0, stop=10)
+    stamp = part.stat().st_mtime_ns
+    assert TeacherMaps.load(teacher, 10).maps.shape == (10, 32, 32)
+    assert main([*base, "--max-steps", "2", "--resume"]) == 0
+    assert "teacher: 0 of 1 parts computed" in capsys.readouterr().out
+    assert part.stat().st_mtime_ns == stamp
+    assert main([*base, "--overwrite", "--teacher-actors", "3"]) == 2  # a local cluster of 2 CPUs
+    assert "do not fit the Ray cluster" in capsys.readouterr().err

@@ -8,7 +8,9 @@ per-example target, as in FastSHAP or Covert et al.'s stochastic amortization) i
 1. :func:`compute_teacher_maps` runs the optimum on a map-style dataset, one chunk of ``chunk`` consecutive items
    at a time, and writes each chunk as its own safetensors part (``teacher-<start>-<stop>.safetensors``, written
    atomically, the settings in its metadata). A killed run resumes where it stopped (finished parts are kept) and
-   ``rank`` / ``world`` split the chunks between processes or Ray tasks, which may write into one folder.
+   ``rank`` / ``world`` split the chunks between processes, which may write into one folder;
+   :func:`compute_teacher_part` is one chunk, the unit :func:`attr_engine.ray.compute_teacher_maps_ray` hands to
+   the actors of a Ray Data pool.
 2. :meth:`TeacherMaps.load` reads the parts back for a dataset of ``count`` items: every index covered once, every
    part of the same settings and size.
 3. ``fit(..., teacher=maps)`` with ``AHAConfig.teacher_weight`` > 0 adds ``teacher_weight`` x
@@ -40,7 +42,14 @@ from attr_engine.checkpoint import load_safetensors, save_safetensors
 from attr_engine.classifier import Classifier
 from attr_engine_kernels.validate import check_int_at_least, check_positive
 
-__all__ = ["TEACHER_PART", "TeacherMaps", "compute_teacher_maps", "teacher_ranking_loss"]
+__all__ = [
+    "TEACHER_PART",
+    "TeacherMaps",
+    "compute_teacher_maps",
+    "compute_teacher_part",
+    "teacher_chunks",
+    "teacher_ranking_loss",
+]
 
 # A part's file name: the dataset indices [start, stop) it holds, zero-padded so the names sort by index.
 TEACHER_PART = "teacher-{start:09d}-{stop:09d}.safetensors"
@@ -95,30 +104,60 @@ def compute_teacher_maps(
     """
     check_int_at_least(steps, "steps", 1)
     check_positive(lr, "lr")
-    check_int_at_least(chunk, "chunk", 1)
     check_int_at_least(world, "world", 1)
     if not 0 <= check_int_at_least(rank, "rank", 0) < world:
         raise ValueError(f"rank must be in [0, world={world}), got {rank}")
+    mine = [k for k in range(teacher_chunks(data, chunk)) if k % world == rank]
+    return [
+        compute_teacher_part(aha, data, out, k, steps=steps, lr=lr, chunk=chunk)[0]
+        for k in tqdm(mine, desc="teacher", disable=not progress, dynamic_ncols=True)
+    ]
+
+
+def teacher_chunks(data: Dataset, chunk: int) -> int:
+    """The number of parts (chunks of ``chunk`` consecutive items) of ``data``'s teacher maps (at least 1)."""
+    check_int_at_least(chunk, "chunk", 1)
     count = len(data)  # type: ignore[arg-type]
     if count == 0:
         raise ValueError("data is empty: there is no image to compute a teacher map for")
+    return (count + chunk - 1) // chunk
+
+
+def compute_teacher_part(
+    aha: Optimiser,
+    data: Dataset,
+    out: str | os.PathLike[str],
+    k: int,
+    *,
+    steps: int = 30,
+    lr: float = 0.05,
+    chunk: int = 16,
+) -> tuple[Path, bool]:
+    """Compute and store chunk ``k`` of ``data``'s teacher maps (items ``[k * chunk, (k + 1) * chunk)``), unless a
+    part of these settings is there already: the unit of work :func:`compute_teacher_maps` (one process, or one
+    torchrun rank) and :func:`attr_engine.ray.compute_teacher_maps_ray` (a Ray actor) hand out.
+
+    Returns:
+        The part's path, and whether it was computed now (False: an earlier run had written it).
+    """
+    check_int_at_least(steps, "steps", 1)
+    check_positive(lr, "lr")
+    chunks = teacher_chunks(data, chunk)
+    if not 0 <= k < chunks:
+        raise ValueError(f"chunk index must be in [0, {chunks}) for {len(data)} items of {chunk}, got {k}")  # type: ignore[arg-type]
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     settings = {"steps": str(steps), "lr": repr(float(lr)), "seed": str(aha.config.seed), "chunk": str(chunk)}
-    mine = [k for k in range((count + chunk - 1) // chunk) if k % world == rank]
-    paths = []
-    for k in tqdm(mine, desc="teacher", disable=not progress, dynamic_ncols=True):
-        start, stop = k * chunk, min(count, (k + 1) * chunk)
-        path = folder / TEACHER_PART.format(start=start, stop=stop)
-        paths.append(path)
-        if path.exists() and _part_settings(path) == settings:
-            continue  # written by an earlier (interrupted) run
-        x, _ = collate_images_labels([data[i] for i in range(start, stop)])
-        with torch.no_grad():
-            target = aha.classifier(x.to(aha.device)).argmax(dim=1)
-        maps = aha.optimise_maps(x, target, steps=steps, lr=lr, seed=aha.config.seed + k)[steps]
-        save_safetensors({"maps": maps.to(torch.float16), "targets": target.long()}, path, metadata=settings)
-    return paths
+    start, stop = k * chunk, min(len(data), (k + 1) * chunk)  # type: ignore[arg-type]
+    path = folder / TEACHER_PART.format(start=start, stop=stop)
+    if path.exists() and _part_settings(path) == settings:
+        return path, False  # written by an earlier (interrupted) run
+    x, _ = collate_images_labels([data[i] for i in range(start, stop)])
+    with torch.no_grad():
+        target = aha.classifier(x.to(aha.device)).argmax(dim=1)
+    maps = aha.optimise_maps(x, target, steps=steps, lr=lr, seed=aha.config.seed + k)[steps]
+    save_safetensors({"maps": maps.to(torch.float16), "targets": target.long()}, path, metadata=settings)
+    return path, True
 
 
 def _part_settings(path: Path) -> dict[str, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,8 @@ def _add_teacher_args(parser: argparse.ArgumentParser) -> None:
         "teacher",
         "The decoder also learns to rank each training image's regions like that image's per-image optimum (AHA's "
         "objective optimised on the image alone, the maps AHA.optimise_maps gives). The optimum is computed once per "
-        "training image and stored in the --teacher folder; under torchrun each process computes its share.",
+        "training image and stored in the --teacher folder; under torchrun each process computes its share, with "
+        "--teacher-engine ray a Ray Data actor pool computes them before training starts here.",
     )
     group.add_argument("--teacher", metavar="DIR", help="the teacher maps' folder: parts missing there are computed "
                        "first (a killed run keeps the finished ones), then training learns from them")  # fmt: skip
@@ -119,6 +121,18 @@ def _add_teacher_args(parser: argparse.ArgumentParser) -> None:
                        "default 1.0 with --teacher)")  # fmt: skip
     group.add_argument("--teacher-steps", type=int, default=30, help="optimum steps per image (default 30)")
     group.add_argument("--teacher-lr", type=float, default=0.05, help="the optimum's Adam step size (default 0.05)")
+    group.add_argument("--teacher-engine", choices=("local", "ray"), default="local",
+                       help="local (default: this process, or each torchrun process its share) or ray (an actor pool "
+                       "on a Ray cluster; --teacher must be a folder every node writes to; pip install "
+                       "'attr-engine[ray]')")  # fmt: skip
+    group.add_argument("--teacher-actors", type=int, default=None, metavar="N",
+                       help="with --teacher-engine ray: actors in the pool (default 1)")  # fmt: skip
+    group.add_argument("--teacher-gpus-per-actor", type=float, default=None, metavar="G",
+                       help="with --teacher-engine ray: GPUs each actor reserves (default: 1 when the cluster has "
+                       "GPUs and --device is not cpu, else 0)")  # fmt: skip
+    group.add_argument("--address", metavar="ADDR",
+                       help="with --teacher-engine ray: the Ray cluster to join (ray://head:10001, auto); default: "
+                       "$RAY_ADDRESS, else a local cluster on this machine")  # fmt: skip
 
 
 def _add_data_args(parser: argparse.ArgumentParser, *, default_images: int) -> None:
@@ -317,10 +331,29 @@ def _check_aha_training(args: argparse.Namespace) -> None:
 
 
 def _check_teacher_args(args: argparse.Namespace) -> None:
+    ray_flags = {"--teacher-actors": args.teacher_actors, "--teacher-gpus-per-actor": args.teacher_gpus_per_actor,
+                 "--address": args.address}  # fmt: skip
     if args.teacher is None:
-        if args.teacher_weight is not None:
-            raise UsageError("--teacher-weight needs --teacher (the folder of the teacher maps)")
+        given = [flag for flag, value in {"--teacher-weight": args.teacher_weight, **ray_flags}.items() if value]
+        if given or args.teacher_engine != "local":
+            raise UsageError(f"{(given or ['--teacher-engine'])[0]} needs --teacher (the folder of the teacher maps)")
         return
+    if args.teacher_engine != "ray":
+        given = [flag for flag, value in ray_flags.items() if value is not None]
+        if given:
+            raise UsageError(f"{given[0]} applies to --teacher-engine ray only")
+    else:
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise UsageError("--teacher-engine ray needs Ray Data: pip install 'attr-engine[ray]' (or 'ray[data]')")
+        if os.environ.get("WORLD_SIZE", "1") != "1":
+            raise UsageError("--teacher-engine ray computes the teacher for every process: run it without torchrun")
+        args.teacher_actors = 1 if args.teacher_actors is None else args.teacher_actors
+        if args.teacher_actors < 1:
+            raise UsageError(f"--teacher-actors must be >= 1, got {args.teacher_actors}")
+        if args.teacher_gpus_per_actor is not None and not args.teacher_gpus_per_actor >= 0:
+            raise UsageError(f"--teacher-gpus-per-actor must be >= 0, got {args.teacher_gpus_per_actor}")
     check_count(args.teacher_steps, "teacher_steps", flag="--teacher-steps")
     if not math.isfinite(args.teacher_lr) or args.teacher_lr <= 0:
         raise UsageError(f"--teacher-lr must be a finite number > 0, got {args.teacher_lr}")
@@ -395,8 +428,19 @@ def teacher_maps(args: argparse.Namespace, aha: Any, train: Any, *, rank: int, w
     from attr_engine.distributed import init_process_group
 
     folder = Path(args.teacher)
-    compute_teacher_maps(aha, train, folder, steps=args.teacher_steps, lr=args.teacher_lr, rank=rank, world=world,
-                         progress=not args.no_progress)  # fmt: skip
+    if args.teacher_engine == "ray":
+        from attr_engine.ray import compute_teacher_maps_ray, plan_actors, ray_session
+
+        with ray_session(args.address):
+            local_cluster = not (args.address or os.environ.get("RAY_ADDRESS"))
+            gpus = plan_actors(args.teacher_actors, args.teacher_gpus_per_actor, args.device, strict=local_cluster)
+            parts = compute_teacher_maps_ray(aha, train, folder, steps=args.teacher_steps, lr=args.teacher_lr,
+                                             actors=args.teacher_actors, num_gpus=gpus, device=args.device)  # fmt: skip
+        computed = sum(done for _, done in parts)
+        print(f"teacher: {computed} of {len(parts)} parts computed on {args.teacher_actors} Ray actor(s)")
+    else:
+        compute_teacher_maps(aha, train, folder, steps=args.teacher_steps, lr=args.teacher_lr, rank=rank,
+                             world=world, progress=not args.no_progress)  # fmt: skip
     if world > 1:
         import torch.distributed as dist
 
