@@ -3,6 +3,7 @@ and a soak: 32 clients for a minute with no failed request and no replica restar
 
     nice -n 10 python -m benches.bench_serve_http                      # resnet18 at 128 px, gradient
     nice -n 10 python -m benches.bench_serve_http --method aha --soak 60   # AHA: PyTorch and ONNX replicas
+    python -m benches.bench_serve_http --method aha --decoder-stride 8    # the decoder at 1/8 of the side
 
 Saves an untrained timm model as a classifier checkpoint (the speed of a map does not depend on the weights; with
 ``--method aha`` an untrained AHA for it too), starts a local Ray cluster and the server on 127.0.0.1 (a free
@@ -65,9 +66,9 @@ def _sources(root: Path, args: argparse.Namespace) -> dict:
     aha = None
     sources: dict = {}
     if args.method == "aha":
-        from attr_engine.aha import AHA
+        from attr_engine.aha import AHA, AHAConfig
 
-        explainer = AHA(classifier)
+        explainer = AHA(classifier, AHAConfig(decoder_stride=args.decoder_stride))
         explainer.save(root / "aha")
         aha = str(root / "aha")
         if "onnx" in args.kinds:
@@ -175,6 +176,7 @@ def main() -> None:
     parser.add_argument("--soak-clients", type=int, default=32)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--decoder-stride", type=int, default=1, help="with --method aha: AHAConfig.decoder_stride")
     args = parser.parse_args()
     args.kinds = args.kinds or (["eager", "onnx"] if args.method == "aha" else ["eager"])
     if "onnx" in args.kinds and args.method != "aha":
@@ -194,7 +196,8 @@ def main() -> None:
             settings = ServeSettings(name="bench", replicas=args.replicas, max_batch_size=args.max_batch_size)
             port = _free_port()
             body = {"instances": [{"image": {"b64": base64.b64encode(_photo()).decode()}, "target": None}]}
-            print(f"{args.method} on {args.model} at {args.img_size} px, {args.replicas} replica(s) of 1 CPU, "
+            stride = f" (decoder stride {args.decoder_stride})" if args.method == "aha" else ""
+            print(f"{args.method}{stride} on {args.model} at {args.img_size} px, {args.replicas} replica(s) of 1 CPU, "
                   f"max batch {args.max_batch_size}, :{args.verb} of one 160 x 120 PNG per request; replicas: "
                   f"{', '.join(args.kinds)}\n")  # fmt: skip
             print("| replica | clients | requests | failed | requests/s | p50 ms | p99 ms | wall s |\n"
