@@ -42,6 +42,28 @@ def _one_thread():
         yield
 
 
+# Seconds a test of this module may take (each takes about 15 on 2 idle cores): a pool that waits for resources
+# forever fails its test instead of holding the whole suite.
+DEADLINE_S = 300
+
+
+@pytest.fixture(autouse=True)
+def _deadline():
+    """SIGALRM after DEADLINE_S raises in the test (Ray Data's driver waits in Python, between bytecodes)."""
+    import signal
+
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"the Ray teacher test took over {DEADLINE_S} s: the actor pool is waiting for resources")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(DEADLINE_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 class _ColourItems(torch.utils.data.Dataset):
     """The colour images of tests.aha_helpers as (image, label) items; reading item ``bad`` raises (an image an
     actor cannot read). Defined here, so it travels to the actors by value."""
