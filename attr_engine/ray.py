@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attr_engine.jobs import AttributionJob, Item, ItemResult
-from attr_engine_kernels.validate import check_int_at_least
+from attr_engine_kernels.validate import check_int_at_least, check_positive
 
 if TYPE_CHECKING:
     import numpy as np
@@ -691,9 +691,8 @@ def compute_teacher_maps_ray(
     from attr_engine.aha.teacher import teacher_chunks
 
     check_int_at_least(steps, "steps", 1)
+    check_positive(lr, "lr")
     check_int_at_least(actors, "actors", 1)
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
     chunks = teacher_chunks(data, chunk)
     folder = Path(out).resolve()  # absolute: an actor's working directory is not the driver's
     folder.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from attr_engine.classifier_training import small_model_config  # noqa: E402
 from attr_engine.cli import main  # noqa: E402
 from attr_engine.ray import BatchAttributor, attribute_dataset  # noqa: E402
 from tests.eval_helpers import single_thread  # noqa: E402
+from tests.ray_helpers import local_ray_cluster  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NAMES = [f"{c}/{i}.png" for c in ("cat", "dog") for i in range(12)]
@@ -32,14 +33,10 @@ BATCH = "4"
 
 @pytest.fixture(scope="module")
 def cluster():
-    """One local Ray cluster for the module: 2 CPUs (2 actors), no dashboard, started once."""
-    # Classes of this module (the worker that dies below) travel by value: workers need not import tests/.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
-    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    """One local Ray cluster for the module: 2 CPUs (2 actors), started once; the worker that dies below travels by
+    value."""
+    with local_ray_cluster(sys.modules[__name__]):
+        yield
 
 
 @pytest.fixture(autouse=True)

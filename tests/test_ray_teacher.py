@@ -27,17 +27,14 @@ pytestmark = pytest.mark.skip(reason="the teacher's Ray pool waits for resources
 
 from attr_engine.cli import main  # noqa: E402
 from tests.eval_helpers import single_thread  # noqa: E402
+from tests.ray_helpers import local_ray_cluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """One local Ray cluster for the module: 2 CPUs, no dashboard; this module's classes travel by value."""
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
-    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    """One local Ray cluster for the module: 2 CPUs; this module's dataset class travels by value."""
+    with local_ray_cluster(sys.modules[__name__]):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -412,6 +412,32 @@ def check_writable_dir(path: str | os.PathLike[str]) -> Path:
     return out
 
 
+def check_ray_pool(engine: str, actors: int | None, gpus_per_actor: float | None, *, flags: tuple[str, str]) -> int:
+    """The checks of a Ray actor pool's flags that need no cluster: Ray Data installed (``engine``: the flag and
+    value that asked for it), the actors (``flags[0]``, default 1) at least 1 and the GPUs per actor
+    (``flags[1]``) not negative. Returns the number of actors."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise UsageError(f"{engine} needs Ray Data: pip install 'attr-engine[ray]' (or 'ray[data]')")
+    actors = 1 if actors is None else actors
+    if actors < 1:
+        raise UsageError(f"{flags[0]} must be >= 1, got {actors}")
+    if gpus_per_actor is not None and not gpus_per_actor >= 0:
+        raise UsageError(f"{flags[1]} must be >= 0, got {gpus_per_actor}")
+    return actors
+
+
+def ray_actor_gpus(address: str | None, actors: int, gpus_per_actor: float | None, device: str) -> float:
+    """The GPUs each actor of a pool reserves on the connected cluster (:func:`attr_engine.ray.plan_actors`): a
+    shortfall is refused on a local cluster (``address`` and ``$RAY_ADDRESS`` unset: no node will join) and only
+    warned about on a joined one (its autoscaler may add the nodes)."""
+    from attr_engine.ray import plan_actors
+
+    local_cluster = not (address or os.environ.get("RAY_ADDRESS"))
+    return plan_actors(actors, gpus_per_actor, device, strict=local_cluster)
+
+
 def cpu_model() -> str:
     """The CPU's model name and the vector instructions torch's kernels use on it, e.g. ``"AMD EPYC (AVX2)"``.
 

@@ -44,8 +44,10 @@ from attr_engine.cli._common import (
     check_classifier_args,
     check_cost,
     check_input_side,
+    check_ray_pool,
     check_writable_dir,
     parse_key_values,
+    ray_actor_gpus,
     reset_phase,
     resolve_device,
     resolve_method,
@@ -204,16 +206,8 @@ def _check_engine_args(args: argparse.Namespace) -> None:
         if args.verbose:
             raise UsageError("--verbose applies to --engine ray only")
         return
-    import importlib.util
-
-    if importlib.util.find_spec("ray") is None:
-        raise UsageError("--engine ray needs Ray Data: pip install 'attr-engine[ray]' (or 'ray[data]')")
-    if args.actors is None:
-        args.actors = 1
-    if args.actors < 1:
-        raise UsageError(f"--actors must be >= 1, got {args.actors}")
-    if args.gpus_per_actor is not None and not args.gpus_per_actor >= 0:
-        raise UsageError(f"--gpus-per-actor must be >= 0, got {args.gpus_per_actor}")
+    args.actors = check_ray_pool("--engine ray", args.actors, args.gpus_per_actor,
+                                 flags=("--actors", "--gpus-per-actor"))  # fmt: skip
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -302,11 +296,10 @@ def _engine(args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
     one line, with nothing left behind."""
     if args.engine != "ray":
         return "local"
-    from attr_engine.ray import RayEngine, plan_actors, ray_session
+    from attr_engine.ray import RayEngine, ray_session
 
     stack.enter_context(ray_session(args.address, verbose=args.verbose))
-    local_cluster = not (args.address or os.environ.get("RAY_ADDRESS"))
-    gpus = plan_actors(args.actors, args.gpus_per_actor, args.device, strict=local_cluster)
+    gpus = ray_actor_gpus(args.address, args.actors, args.gpus_per_actor, args.device)
     return RayEngine(actors=args.actors, num_gpus=gpus, address=args.address, verbose=args.verbose)
 
 

@@ -18,9 +18,11 @@ from attr_engine.cli._common import (
     add_device_arg,
     check_classifier_args,
     check_model_flags,
+    check_ray_pool,
     check_writable_dir,
     classifier_args,
     parse_key_values,
+    ray_actor_gpus,
     resolve_device,
     warn_if_untrained,
     work_started,
@@ -343,17 +345,10 @@ def _check_teacher_args(args: argparse.Namespace) -> None:
         if given:
             raise UsageError(f"{given[0]} applies to --teacher-engine ray only")
     else:
-        import importlib.util
-
-        if importlib.util.find_spec("ray") is None:
-            raise UsageError("--teacher-engine ray needs Ray Data: pip install 'attr-engine[ray]' (or 'ray[data]')")
+        args.teacher_actors = check_ray_pool("--teacher-engine ray", args.teacher_actors, args.teacher_gpus_per_actor,
+                                             flags=("--teacher-actors", "--teacher-gpus-per-actor"))  # fmt: skip
         if os.environ.get("WORLD_SIZE", "1") != "1":
             raise UsageError("--teacher-engine ray computes the teacher for every process: run it without torchrun")
-        args.teacher_actors = 1 if args.teacher_actors is None else args.teacher_actors
-        if args.teacher_actors < 1:
-            raise UsageError(f"--teacher-actors must be >= 1, got {args.teacher_actors}")
-        if args.teacher_gpus_per_actor is not None and not args.teacher_gpus_per_actor >= 0:
-            raise UsageError(f"--teacher-gpus-per-actor must be >= 0, got {args.teacher_gpus_per_actor}")
     check_count(args.teacher_steps, "teacher_steps", flag="--teacher-steps")
     if not math.isfinite(args.teacher_lr) or args.teacher_lr <= 0:
         raise UsageError(f"--teacher-lr must be a finite number > 0, got {args.teacher_lr}")
@@ -429,11 +424,10 @@ def teacher_maps(args: argparse.Namespace, aha: Any, train: Any, *, rank: int, w
 
     folder = Path(args.teacher)
     if args.teacher_engine == "ray":
-        from attr_engine.ray import compute_teacher_maps_ray, plan_actors, ray_session
+        from attr_engine.ray import compute_teacher_maps_ray, ray_session
 
         with ray_session(args.address):
-            local_cluster = not (args.address or os.environ.get("RAY_ADDRESS"))
-            gpus = plan_actors(args.teacher_actors, args.teacher_gpus_per_actor, args.device, strict=local_cluster)
+            gpus = ray_actor_gpus(args.address, args.teacher_actors, args.teacher_gpus_per_actor, args.device)
             parts = compute_teacher_maps_ray(aha, train, folder, steps=args.teacher_steps, lr=args.teacher_lr,
                                              actors=args.teacher_actors, num_gpus=gpus, device=args.device)  # fmt: skip
         computed = sum(done for _, done in parts)
