@@ -243,8 +243,11 @@ def test_train_aha_with_a_teacher_computes_it_once_learns_from_it_and_resumes(tm
         assert main([*base, "--overwrite", *extra]) == 2
         assert message in capsys.readouterr().err
     no_teacher = base[: base.index("--teacher")]
-    assert main([*no_teacher, "--overwrite", "--teacher-weight", "2"]) == 2
-    assert "--teacher-weight needs --teacher" in capsys.readouterr().err
+    for weight in ("2", "0"):  # any value: the flag itself needs --teacher
+        assert main([*no_teacher, "--overwrite", "--teacher-weight", weight]) == 2
+        assert "--teacher-weight needs --teacher" in capsys.readouterr().err
+    assert main([*no_teacher, "--overwrite", "--teacher-actors", "0"]) == 2
+    assert "--teacher-actors needs --teacher" in capsys.readouterr().err
     assert main([*no_teacher, "--overwrite", "--teacher-engine", "ray"]) == 2
     assert "--teacher-engine needs --teacher" in capsys.readouterr().err
     for extra in (["--teacher-actors", "2"], ["--address", "auto"]):  # Ray's flags without the Ray engine

@@ -336,7 +336,7 @@ def _check_teacher_args(args: argparse.Namespace) -> None:
     ray_flags = {"--teacher-actors": args.teacher_actors, "--teacher-gpus-per-actor": args.teacher_gpus_per_actor,
                  "--address": args.address}  # fmt: skip
     if args.teacher is None:
-        given = [flag for flag, value in {"--teacher-weight": args.teacher_weight, **ray_flags}.items() if value]
+        given = [f for f, value in {"--teacher-weight": args.teacher_weight, **ray_flags}.items() if value is not None]
         if given or args.teacher_engine != "local":
             raise UsageError(f"{(given or ['--teacher-engine'])[0]} needs --teacher (the folder of the teacher maps)")
         return
