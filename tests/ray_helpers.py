@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from types import ModuleType
 
 
 @contextlib.contextmanager
 def local_ray_cluster(module: ModuleType) -> Iterator[None]:
-    """A local Ray cluster of 2 CPUs (2 actors of one CPU), no dashboard, no progress bars, shut down on exit.
+    """A local Ray cluster of 2 CPUs (:func:`start_local_ray`), no progress bars, shut down on exit.
 
     ``module`` (the test module) is pickled by value while it runs: the classes it defines (a dataset, an actor that
     dies on purpose) reach workers that could not import tests/.
@@ -17,10 +18,33 @@ def local_ray_cluster(module: ModuleType) -> Iterator[None]:
     import ray
 
     ray.cloudpickle.register_pickle_by_value(module)
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    start_local_ray()
     ray.data.DataContext.get_current().enable_progress_bars = False
     try:
         yield
     finally:
         ray.shutdown()
         ray.cloudpickle.unregister_pickle_by_value(module)
+
+
+def start_local_ray() -> None:
+    """``ray.init`` of a new local cluster of 2 CPUs, no dashboard, its workers at niceness 0.
+
+    Ray starts its workers at niceness 15 (the raylet's ``worker_niceness``). Beside a process at niceness 0 that
+    keeps both cores busy (a benchmark run while the suite runs) such a worker gets a few per cent of a core: an
+    actor took minutes to import torch, and a pool of two actors looked as if it waited for resources without end
+    (both CPUs reserved by actors still in ``__init__``). At niceness 0 the actors share the cores with whatever
+    else runs, as the test process itself does; on a quiet machine nothing changes.
+    """
+    import ray
+
+    key = "RAY_worker_niceness"  # read by the raylet that ray.init starts
+    saved = os.environ.get(key)
+    os.environ[key] = "0"
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved

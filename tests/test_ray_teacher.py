@@ -5,10 +5,7 @@ What a bug would break: Ray's parts differing from the single process's, a rerun
 missing a part a failed actor left out), an actor's error arriving as a traceback, the CLI not resuming, a pool
 the cluster cannot host starting anyway.
 
-Its own cluster, not test_ray.py's: run on that module's cluster after its tests, the first pool here waited for
-resources without end (its two actors started and idle, Ray Data's coordinator reporting both CPUs reserved); a
-dataset an earlier test stopped reading (``explain --limit 1``) still holding its reservation is the likely cause,
-not confirmed.
+Each test has a deadline: an actor pool that never gets its actors fails its test instead of holding the suite.
 """
 
 from __future__ import annotations
@@ -19,11 +16,6 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
-
-# Known defect, to fix next: both tests pass alone and after test_ray.py (13 passed, 118 s), but in the whole suite
-# the first pool waited for resources past the deadline below (2026-12-06). Skipped, by this visible mark, until the
-# cause is found.
-pytestmark = pytest.mark.skip(reason="the teacher's Ray pool waits for resources without end in the whole suite")
 
 from attr_engine.cli import main  # noqa: E402
 from tests.eval_helpers import single_thread  # noqa: E402

@@ -43,6 +43,7 @@ from attr_engine.cli import main  # noqa: E402
 from attr_engine.imageops import data_config, decode_image, prepare_input  # noqa: E402
 from attr_engine.serve import APP, InstanceError, ServeSettings, encode_map, logits_and_maps, read_image  # noqa: E402
 from tests.eval_helpers import single_thread, untrained_resnet_checkpoint  # noqa: E402
+from tests.ray_helpers import start_local_ray  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "tiny"
@@ -89,9 +90,10 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray cluster of 2 CPUs that the servers join (--address), and the port of its HTTP proxy: every
-    server of the module listens there (Serve keeps the address it started with). The test reads Serve's status."""
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    """A local Ray cluster of 2 CPUs (:func:`tests.ray_helpers.start_local_ray`) that the servers join (--address),
+    and the port of its HTTP proxy: every server of the module listens there (Serve keeps the address it started
+    with). The test reads Serve's status."""
+    start_local_ray()
     yield ray.get_runtime_context().gcs_address, _free_port()
     serve.shutdown()
     ray.shutdown()
