@@ -61,6 +61,9 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
   optimum (``TEACHER_STEPS`` Adam steps from its one-pass maps) over the training set, computed once into the cache
   (:mod:`attr_engine.aha.teacher`), taught beside the soft-AUC loss to a decoder trained from scratch. The teacher's
   time is printed; it is paid once per classifier, not per map.
+- ``head``: the classifier head's score of the target at each position of its deepest matching tap as one more
+  decoder input (``AHAConfig.head_input``: the class activation map of a pooled linear head), a decoder input
+  that costs no backward pass (issue #40 item 4).
 
 ``--gap N`` (issue #31) replaces the families with the gap split on the first N test images: AHA T=0 and T=3,
 the per-image optimum of AHA's own objective (:meth:`AHA.optimise_maps`: a free map per image initialised from
@@ -118,6 +121,7 @@ FAMILIES = (
     "flat",
     "stride",
     "teacher",
+    "head",
 )
 # The teacher family's optimum: Adam steps per training image, from the cached default AHA's one-pass maps.
 TEACHER_STEPS = 10
@@ -224,6 +228,8 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
             for stride in (4, 8)
             for upsample in ("guided", "bilinear")
         }
+    if family == "head":
+        return {"head input": {"head_input": True}}
     if family == "teacher":  # the default AHA's per-image optimum (TEACHER_STEPS Adam steps) as the teacher
         return {f"teacher {w}": {"teacher_weight": w, "_teacher_steps": TEACHER_STEPS} for w in (0.3, 1.0)}
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")

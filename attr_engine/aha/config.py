@@ -89,6 +89,10 @@ class AHAConfig:
         pullback_skip: the map also adds a learned multiple (starting at 1) of the pullback input's ``v·(x − r)``
             channel, so that training starts from the pullback's ranking; needs ``pullback_input`` (False).
             [measured]
+        head_input: the deepest tap whose width is the classifier head's input also gets the head's score of the
+            target class at each of its positions (``W_t · f(x, y)``: the class activation map of a pooled linear
+            head), one channel standardised per image; no backward pass, exported; needs the classifier's own
+            backbone (False). [measured]
         grid_range: inclusive (min, max) grid per step; None = :func:`grid_rule` of the short side. [official/measured]
         random_offset: shift the grid's cell boundaries by a random sub-cell offset each step (True). [project]
         tau_start: Sinkhorn temperature at the first step (1.0), annealed linearly to ``tau_end``. [official]
@@ -145,6 +149,7 @@ class AHAConfig:
     pullback_input: bool = False
     pullback_method: str = "soft"
     pullback_skip: bool = False
+    head_input: bool = False
 
     grid_range: tuple[int, int] | None = None
     random_offset: bool = True
@@ -191,14 +196,8 @@ class AHAConfig:
 
         if self.backbone is not None and (not isinstance(self.backbone, str) or not self.backbone):
             raise ValueError(f"backbone must be None or a timm model name, got {self.backbone!r}")
-        for name in (
-            "backbone_pretrained",
-            "random_offset",
-            "amp",
-            "reference_distance",
-            "pullback_input",
-            "pullback_skip",
-        ):
+        flags = ("backbone_pretrained", "random_offset", "amp", "reference_distance", "pullback_input", "pullback_skip")
+        for name in (*flags, "head_input"):
             check_bool(getattr(self, name), name)
         if self.layers is not None:
             put("layers", _int_tuple(self.layers, "layers"))
@@ -218,6 +217,8 @@ class AHAConfig:
             raise ValueError(f"pullback_method must be one of {PULLBACK_METHODS}, got {self.pullback_method!r}")
         if self.pullback_skip and not self.pullback_input:
             raise ValueError("pullback_skip adds the pullback input's channel to the map: set pullback_input=True")
+        if self.head_input and self.backbone is not None:
+            raise ValueError("head_input scores the classifier's own features with its head: leave backbone None")
         check_int_at_least(self.n_iters, "n_iters", 1)
         check_count(self.n_fractions, "n_fractions")  # a curve needs two points
         check_int_at_least(self.refine_fractions, "refine_fractions", 2)

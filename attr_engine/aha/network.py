@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attr_engine.aha.config import DECODER_PADDINGS, DECODER_STRIDES, DECODER_UPSAMPLES, DECODERS, AHAConfig
+from attr_engine.aha.loss import standardise
 from attr_engine.classifier import Classifier, load_classifier
 from attr_engine.model_sources import is_hf_classifier, is_torchvision_vit
 
@@ -443,6 +444,10 @@ class Decoder(nn.Module):
             ``v·(x − r)`` channel, with ``s`` a learned scalar starting at 1: the untrained map already ranks the
             pixels much as the pullback's ``x·(x−r)`` ranking does, and training learns the correction. Needs
             ``extra_channels``.
+        head_weight: the classifier head's weights (K, C) for ``AHAConfig.head_input``: level ``head_level``
+            (C channels) gains the standardised score ``W_t · f`` of the target class t at each position, one
+            channel before its projection; ``None``: no such channel. A buffer, not a weight: it is the
+            classifier's, read again when the explainer is built, never trained or stored.
         padding: how every 3x3 convolution pads the frame (``AHAConfig.decoder_padding``): ``"zeros"`` or
             ``"replicate"``. Zero padding shows each convolution a dark border that no image has, which trained
             weights can turn into extra (or missing) weight on the frame's outer pixels; replicate padding extends
@@ -450,6 +455,7 @@ class Decoder(nn.Module):
     """
 
     reference: torch.Tensor  # (1, 3, 1, 1), a buffer where the reference-distance term is on
+    head_weight: torch.Tensor  # (K, C), a buffer where the head score is on
 
     def __init__(
         self,
@@ -465,6 +471,8 @@ class Decoder(nn.Module):
         pullback_skip: bool = False,
         stride: int = 1,
         upsample: str = "guided",
+        head_weight: torch.Tensor | None = None,
+        head_level: int = -1,
     ) -> None:
         super().__init__()
         if stride not in DECODER_STRIDES:
@@ -480,7 +488,21 @@ class Decoder(nn.Module):
         self.kind = kind
         self.class_embed = nn.Embedding(num_classes, class_dim)
         nn.init.normal_(self.class_embed.weight, std=1.0)
-        self.project = nn.ModuleList(nn.Conv2d(c + class_dim, dim, 1) for c in feature_channels)
+        self.head_level: int | None = None
+        if head_weight is not None:
+            if not -len(feature_channels) <= head_level < len(feature_channels):
+                raise ValueError(f"head_level {head_level} is not one of the {len(feature_channels)} levels")
+            self.head_level = head_level % len(feature_channels)
+            if head_weight.shape != (num_classes, feature_channels[self.head_level]):
+                raise ValueError(
+                    f"head_weight must be ({num_classes}, {feature_channels[self.head_level]}) for level "
+                    f"{self.head_level}, got {tuple(head_weight.shape)}"
+                )
+            self.register_buffer("head_weight", head_weight.detach().float().clone(), persistent=False)
+        extra_in = [int(i == self.head_level) for i in range(len(feature_channels))]
+        self.project = nn.ModuleList(
+            nn.Conv2d(c + class_dim + e, dim, 1) for c, e in zip(feature_channels, extra_in, strict=True)
+        )
         self.fuse = nn.ModuleList(_ConvUnit(dim) for _ in feature_channels)
         half = max(8, dim // 2) if image_dim is None else image_dim
         self.extra_channels = extra_channels
@@ -597,6 +619,8 @@ class Decoder(nn.Module):
             x = torch.cat((x, extra.to(x.dtype)), dim=1)
         if self.stride > 1:  # each stride x stride block of pixels becomes channels of one position
             x = F.pixel_unshuffle(self._pad_to_stride(x), self.stride)
+        if self.head_level is not None:
+            feats = self._with_head_score(feats, target)
         emb = self.class_embed(target)[:, :, None, None]
         cl = torch.channels_last
         height, width = x.shape[-2:]
@@ -627,6 +651,17 @@ class Decoder(nn.Module):
             fused = F.interpolate(fused, size=(height, width), mode="bilinear", align_corners=False)
         return torch.cat((fused, self.image_stem(x)), dim=1)
 
+    def _with_head_score(self, feats: list[torch.Tensor], target: torch.Tensor) -> list[torch.Tensor]:
+        """feats with level ``head_level`` (B, C, h, w) joined by the head's score of ``target`` (B,) at each
+        position, ``W_t · f(x, y)``, standardised per image (zero mean, unit root mean square): (B, C + 1, h, w)."""
+        assert self.head_level is not None
+        level = feats[self.head_level]
+        score = torch.einsum("bchw,bc->bhw", level.float(), self.head_weight[target])[:, None]
+        score = standardise(score, dim=(2, 3))  # a constant score (one position) is zeros
+        joined = list(feats)
+        joined[self.head_level] = torch.cat((level, score.to(level.dtype)), dim=1)
+        return joined
+
 
 def _at_most(level: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """level (B, C, h, w) averaged down to at most (height, width) per side; unchanged where it is not finer."""
@@ -638,11 +673,46 @@ def _at_most(level: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return F.adaptive_avg_pool2d(level, size)
 
 
-def build_decoder(config: AHAConfig, feature_channels: list[int], num_classes: int, reference: torch.Tensor) -> Decoder:
+def classifier_head_weight(model: nn.Module, num_classes: int) -> torch.Tensor:
+    """The weights (K, C) of ``model``'s classification head: its last ``nn.Linear`` with ``num_classes`` outputs
+    (timm's ``head`` / ``fc``, torchvision's ``fc`` / ``heads.head`` / ``classifier[-1]``, a transformers model's
+    ``classifier``), for ``AHAConfig.head_input``. A head of another kind is refused by name."""
+    heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == num_classes]
+    if not heads:
+        raise ValueError(
+            f"head_input needs a classification head that is an nn.Linear with {num_classes} outputs; "
+            f"{type(model).__name__} has none"
+        )
+    return heads[-1].weight.detach()
+
+
+def head_level(feature_channels: list[int], head_weight: torch.Tensor) -> int:
+    """The deepest level (the last in tap order) whose width is the head's input, ``head_weight.shape[1]``."""
+    width = head_weight.shape[1]
+    for i in reversed(range(len(feature_channels))):
+        if feature_channels[i] == width:
+            return i
+    raise ValueError(
+        f"head_input: no tapped level has the {width} channels the classifier's head takes "
+        f"(the levels have {feature_channels}); tap its last stage or block (layers=...)"
+    )
+
+
+def build_decoder(
+    config: AHAConfig,
+    feature_channels: list[int],
+    num_classes: int,
+    reference: torch.Tensor,
+    head_weight: torch.Tensor | None = None,
+) -> Decoder:
     """The :class:`Decoder` ``config`` describes over levels of ``feature_channels``: its widths, kind, padding,
     the reference-distance term (colour ``reference`` (3,), used only where ``config.reference_distance`` is on),
-    the pullback input's stem channels and skip, and the stride and upsampling. One place maps a config to a
-    decoder, for the explainer and for the checkpoint check that builds it on the meta device."""
+    the pullback input's stem channels and skip, the stride and upsampling, and the head score
+    (``head_weight`` (K, C), :func:`classifier_head_weight`, needed where ``config.head_input`` is on). One place
+    maps a config to a decoder, for the explainer and for the checkpoint check that builds it on the meta device."""
+    if config.head_input and head_weight is None:
+        raise ValueError("config.head_input needs the classifier head's weights (head_weight)")
+    weight = head_weight if config.head_input else None
     return Decoder(
         feature_channels,
         num_classes,
@@ -656,6 +726,8 @@ def build_decoder(config: AHAConfig, feature_channels: list[int], num_classes: i
         config.pullback_skip,
         config.decoder_stride,
         config.decoder_upsample,
+        weight,
+        head_level(feature_channels, weight) if weight is not None else -1,
     )
 
 
