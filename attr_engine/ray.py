@@ -672,7 +672,8 @@ def compute_teacher_maps_ray(
 
     The parts' folder ``out`` must be one every node writes to (a shared filesystem). Each part is written
     atomically and skipped when already there, so a lost actor's chunk is redone by Ray's retry or by running this
-    again, never any finished one. The explainer and the dataset travel to the actors by Ray's own serialisation
+    again, never any finished one (when an actor fails, a chunk another actor has in flight may still be written,
+    whole, after the error is raised). The explainer and the dataset travel to the actors by Ray's own serialisation
     (the dataset holds its file paths, not images: the images are read by the actors).
 
     Args:

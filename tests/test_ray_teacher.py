@@ -98,7 +98,10 @@ def test_teacher_maps_on_ray_equal_one_process_and_a_rerun_computes_only_what_is
 
         parts = compute_teacher_maps_ray(aha, _ColourItems(7), tmp_path / "ray", steps=2, chunk=3, actors=2)
         assert [path.name for path, _ in parts] == [path.name for path in local]
-        assert [computed for _, computed in parts] == [path.name not in kept for path, _ in parts]
+        computed = {path.name: done for path, done in parts}
+        # The failed chunk is computed now; a part there before is kept. A part that was neither may have been
+        # written by the failed run's other actor after the error came back (its chunk in flight): either is right.
+        assert computed[local[1].name] and not any(computed[name] for name in kept)
         for (path, _), own in zip(parts, local, strict=True):
             assert kept.get(path.name, path.stat().st_mtime_ns) == path.stat().st_mtime_ns  # finished: untouched
             (ours, meta), (theirs, own_meta) = load_safetensors(path), load_safetensors(own)
