@@ -6,6 +6,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from types import ModuleType
+from unittest import mock
 
 
 @contextlib.contextmanager
@@ -38,13 +39,5 @@ def start_local_ray() -> None:
     """
     import ray
 
-    key = "RAY_worker_niceness"  # read by the raylet that ray.init starts
-    saved = os.environ.get(key)
-    os.environ[key] = "0"
-    try:
+    with mock.patch.dict(os.environ, {"RAY_worker_niceness": "0"}):  # read by the raylet that ray.init starts
         ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    finally:
-        if saved is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = saved

@@ -52,6 +52,18 @@ def grid_rule(height: int, width: int | None = None) -> tuple[int, int]:
     return g_min, g_max
 
 
+# The config's on/off fields, checked to be bools.
+_FLAGS = (
+    "backbone_pretrained",
+    "random_offset",
+    "amp",
+    "reference_distance",
+    "pullback_input",
+    "pullback_skip",
+    "head_input",
+)
+
+
 @dataclass(frozen=True)
 class AHAConfig:
     """Configuration of an AHA explainer (architecture, soft-AUC loss, optimiser, test-time refinement).
@@ -196,8 +208,7 @@ class AHAConfig:
 
         if self.backbone is not None and (not isinstance(self.backbone, str) or not self.backbone):
             raise ValueError(f"backbone must be None or a timm model name, got {self.backbone!r}")
-        flags = ("backbone_pretrained", "random_offset", "amp", "reference_distance", "pullback_input", "pullback_skip")
-        for name in (*flags, "head_input"):
+        for name in _FLAGS:
             check_bool(getattr(self, name), name)
         if self.layers is not None:
             put("layers", _int_tuple(self.layers, "layers"))

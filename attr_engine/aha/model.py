@@ -12,13 +12,7 @@ from torch import nn
 
 from attr_engine.aha.config import AHAConfig
 from attr_engine.aha.loss import soft_auc_loss, standardise, target_probabilities
-from attr_engine.aha.network import (
-    FeatureBackbone,
-    PerImageTail,
-    build_backbone,
-    build_decoder,
-    classifier_head_weight,
-)
+from attr_engine.aha.network import FeatureBackbone, PerImageTail, build_backbone, build_decoder
 from attr_engine.aha.persistence import WEIGHTS_FILE, load_checkpoint, save_explainer
 from attr_engine.aha.trainer import fit as train_decoder
 from attr_engine.classifier import Classifier, check_device, eval_mode, resolve_targets
@@ -99,8 +93,7 @@ class AHA(nn.Module, Explainer):
         # Seeded initialisation: the same config gives the same untrained decoder (and so the same training run).
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.config.seed)
-            head = classifier_head_weight(classifier.model, classifier.num_classes) if self.config.head_input else None
-            self.decoder = build_decoder(self.config, channels, classifier.num_classes, classifier.norm_mean, head)
+            self.decoder = build_decoder(self.config, channels, classifier, classifier.norm_mean)
         self.decoder.to(classifier.norm_mean.device)
         self.steps_trained = 0
         Explainer.__init__(self, classifier)

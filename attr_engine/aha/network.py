@@ -444,9 +444,9 @@ class Decoder(nn.Module):
             ``v·(x − r)`` channel, with ``s`` a learned scalar starting at 1: the untrained map already ranks the
             pixels much as the pullback's ``x·(x−r)`` ranking does, and training learns the correction. Needs
             ``extra_channels``.
-        head_weight: the classifier head's weights (K, C) for ``AHAConfig.head_input``: level ``head_level``
-            (C channels) gains the standardised score ``W_t · f`` of the target class t at each position, one
-            channel before its projection; ``None``: no such channel. A buffer, not a weight: it is the
+        head_weight: the classifier head's weights (K, C) for ``AHAConfig.head_input``: the deepest level of C
+            channels (:func:`head_level`) gains the standardised score ``W_t · f`` of the target class t at each
+            position, one channel before its projection; ``None``: no such channel. A buffer, not a weight: it is the
             classifier's, read again when the explainer is built, never trained or stored.
         padding: how every 3x3 convolution pads the frame (``AHAConfig.decoder_padding``): ``"zeros"`` or
             ``"replicate"``. Zero padding shows each convolution a dark border that no image has, which trained
@@ -472,7 +472,6 @@ class Decoder(nn.Module):
         stride: int = 1,
         upsample: str = "guided",
         head_weight: torch.Tensor | None = None,
-        head_level: int = -1,
     ) -> None:
         super().__init__()
         if stride not in DECODER_STRIDES:
@@ -490,14 +489,9 @@ class Decoder(nn.Module):
         nn.init.normal_(self.class_embed.weight, std=1.0)
         self.head_level: int | None = None
         if head_weight is not None:
-            if not -len(feature_channels) <= head_level < len(feature_channels):
-                raise ValueError(f"head_level {head_level} is not one of the {len(feature_channels)} levels")
-            self.head_level = head_level % len(feature_channels)
-            if head_weight.shape != (num_classes, feature_channels[self.head_level]):
-                raise ValueError(
-                    f"head_weight must be ({num_classes}, {feature_channels[self.head_level]}) for level "
-                    f"{self.head_level}, got {tuple(head_weight.shape)}"
-                )
+            if head_weight.shape[0] != num_classes:
+                raise ValueError(f"head_weight must have {num_classes} rows, got {tuple(head_weight.shape)}")
+            self.head_level = head_level(feature_channels, head_weight)
             self.register_buffer("head_weight", head_weight.detach().float().clone(), persistent=False)
         extra_in = [int(i == self.head_level) for i in range(len(feature_channels))]
         self.project = nn.ModuleList(
@@ -699,23 +693,17 @@ def head_level(feature_channels: list[int], head_weight: torch.Tensor) -> int:
 
 
 def build_decoder(
-    config: AHAConfig,
-    feature_channels: list[int],
-    num_classes: int,
-    reference: torch.Tensor,
-    head_weight: torch.Tensor | None = None,
+    config: AHAConfig, feature_channels: list[int], classifier: Classifier, reference: torch.Tensor
 ) -> Decoder:
-    """The :class:`Decoder` ``config`` describes over levels of ``feature_channels``: its widths, kind, padding,
-    the reference-distance term (colour ``reference`` (3,), used only where ``config.reference_distance`` is on),
-    the pullback input's stem channels and skip, the stride and upsampling, and the head score
-    (``head_weight`` (K, C), :func:`classifier_head_weight`, needed where ``config.head_input`` is on). One place
-    maps a config to a decoder, for the explainer and for the checkpoint check that builds it on the meta device."""
-    if config.head_input and head_weight is None:
-        raise ValueError("config.head_input needs the classifier head's weights (head_weight)")
-    weight = head_weight if config.head_input else None
+    """The :class:`Decoder` ``config`` describes over levels of ``feature_channels`` for ``classifier``'s classes:
+    its widths, kind, padding, the reference-distance term (colour ``reference`` (3,), used only where
+    ``config.reference_distance`` is on), the pullback input's stem channels and skip, the stride and upsampling,
+    and the head score (the classifier's head weights, :func:`classifier_head_weight`, where ``config.head_input``
+    is on). One place maps a config to a decoder, for the explainer and for the checkpoint check that builds it
+    on the meta device."""
     return Decoder(
         feature_channels,
-        num_classes,
+        classifier.num_classes,
         config.decoder_dim,
         config.class_dim,
         config.image_dim,
@@ -726,8 +714,7 @@ def build_decoder(
         config.pullback_skip,
         config.decoder_stride,
         config.decoder_upsample,
-        weight,
-        head_level(feature_channels, weight) if weight is not None else -1,
+        classifier_head_weight(classifier.model, classifier.num_classes) if config.head_input else None,
     )
 
 

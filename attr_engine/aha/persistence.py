@@ -33,7 +33,7 @@ import timm
 import torch
 
 from attr_engine.aha.config import AHAConfig
-from attr_engine.aha.network import Decoder, FeatureBackbone, build_decoder, classifier_head_weight
+from attr_engine.aha.network import Decoder, FeatureBackbone, build_decoder
 from attr_engine.atomic import fresh_dir, fsync_dir
 from attr_engine.checkpoint import (
     check_state_shapes,
@@ -380,9 +380,7 @@ def check_loadable(
             raise ValueError(f"{where}: corrupt metadata: {field} must be <= {high}, got {value!r}")
     with torch.device("meta"):
         # The reference colour is not stored (no weight depends on it): any colour builds the same shapes.
-        # Nor is the head's weight: its shape is what the probe needs, the classifier's own where head_input is on.
-        head = classifier_head_weight(classifier.model, classifier.num_classes) if config.head_input else None
-        probe = build_decoder(config, channels, classifier.num_classes, torch.zeros(3), head)
+        probe = build_decoder(config, channels, classifier, torch.zeros(3))
     what = f"the decoder its config describes ({classifier.num_classes} classes)"
     check_state_shapes(probe, decoder_state, src / WEIGHTS_FILE, what)
     if name is not None and backbone_state and _registry_name(name):
