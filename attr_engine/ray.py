@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib.util
 import io
 import logging
@@ -380,7 +381,9 @@ def ray_session(address: str | None = None, *, verbose: bool = False) -> Iterato
                     log_to_driver=verbose,
                 )
         except ConnectionError as err:
-            text = " ".join(str(err).split())
+            # Ray's own message only repeats the address; the reason (a missing authentication token, a node of
+            # another Ray version) is in the error it chains.
+            text = " ".join(f"{err}: {err.__cause__}".split()) if err.__cause__ else " ".join(str(err).split())
             raise ConnectionError(f"cannot connect to the Ray cluster at {address}: {text}") from None
         try:
             yield
@@ -508,6 +511,21 @@ def _one_line(err: BaseException) -> tuple[str, str]:
     return type(err).__name__, lines[-1] if lines else type(err).__name__
 
 
+def _remote_failure(err: BaseException, prefix: str = "") -> RemoteWorkerError:
+    """The one-line error for a Ray error ``err`` (:func:`_one_line`), to be raised *outside* the ``except`` block
+    that caught it, once the failed dataset's local names are deleted and garbage collected.
+
+    Ray Data releases a failed pool's actors by dropping their handles, not by killing them, and the handles sit in
+    reference cycles (the executor's, the traceback's frames): the actors keep their CPUs until a garbage
+    collection, and for as long as the error is kept if it chains Ray's (an error raised inside ``except``
+    references it as ``__context__``). A rerun on the same cluster (resuming after the error) then waits for CPUs
+    that never come back. So the caller deletes its names for the dataset, collects garbage once (the actors go
+    now) and raises the result outside the ``except`` block, where nothing chains Ray's error.
+    """
+    kind, message = _one_line(err)
+    return RemoteWorkerError(prefix + message, kind)
+
+
 def explain_items(
     job: AttributionJob,
     items: list[Item],
@@ -562,6 +580,7 @@ def _rows(ds: ray.data.Dataset, items: list[Item], job: AttributionJob) -> Itera
     seen: set[int] = set()
     rows = iter(ds.iter_rows())
     while True:
+        failure = None
         try:
             row = next(rows)
         except StopIteration:
@@ -569,9 +588,12 @@ def _rows(ds: ray.data.Dataset, items: list[Item], job: AttributionJob) -> Itera
         except Exception as err:  # Ray's task, user-code and system errors, actor deaths
             if not _is_ray_error(err):
                 raise
-            kind, message = _one_line(err)
             # The actor's own line, as the local engine would print it for the same error.
-            raise RemoteWorkerError(message, kind) from None
+            failure = _remote_failure(err)
+        if failure is not None:
+            del ds, rows
+            gc.collect()  # the failed pool's actors go now (_remote_failure)
+            raise failure
         index = int(row["index"])
         if index in seen:  # a retried batch is emitted once; this only guards the writes if that ever changes
             continue
@@ -710,11 +732,15 @@ def compute_teacher_maps_ray(
         num_gpus=num_gpus,
         num_cpus=1.0,
     )
+    failure = None
     try:
         rows = sorted(ds.take_all(), key=lambda row: int(row["chunk"]))
     except Exception as err:
         if not _is_ray_error(err):
             raise
-        kind, message = _one_line(err)
-        raise RemoteWorkerError(f"teacher maps on Ray: {message}", kind) from None
+        failure = _remote_failure(err, "teacher maps on Ray: ")
+    if failure is not None:
+        del ds
+        gc.collect()  # the failed pool's actors go now (_remote_failure)
+        raise failure
     return [(folder / str(row["part"]), bool(row["computed"])) for row in rows]

@@ -6,7 +6,6 @@ import contextlib
 import os
 from collections.abc import Iterator
 from types import ModuleType
-from unittest import mock
 
 
 @contextlib.contextmanager
@@ -39,5 +38,29 @@ def start_local_ray() -> None:
     """
     import ray
 
-    with mock.patch.dict(os.environ, {"RAY_worker_niceness": "0"}):  # read by the raylet that ray.init starts
+    # Only this variable is put back afterwards, not the whole environment (``mock.patch.dict`` would): ray.init
+    # sets variables of its own in it (``RAY_AUTH_MODE=token``) that the processes the tests start need to join
+    # the cluster; without them ``attr-engine serve --address`` is refused (missing authentication token).
+    previous = os.environ.get("RAY_worker_niceness")
+    os.environ["RAY_worker_niceness"] = "0"  # read by the raylet that ray.init starts
+    try:
         ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    finally:
+        if previous is None:
+            del os.environ["RAY_worker_niceness"]
+        else:
+            os.environ["RAY_worker_niceness"] = previous
+
+
+def wait_for_free_cpus(seconds: float = 30.0) -> float:
+    """Seconds until every CPU of the connected cluster is free again (its actors gone); AssertionError after
+    ``seconds``. A pool that keeps its actors after it failed makes the next pool on the cluster wait for ever."""
+    import time
+
+    import ray
+
+    total, start = ray.cluster_resources().get("CPU", 0.0), time.monotonic()
+    while (free := ray.available_resources().get("CPU", 0.0)) < total:
+        assert time.monotonic() - start < seconds, f"{total - free:g} of {total:g} CPUs still held after {seconds} s"
+        time.sleep(0.5)
+    return time.monotonic() - start

@@ -301,3 +301,21 @@ def test_an_unreachable_cluster_is_one_line_fast_and_writes_nothing(data, tmp_pa
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert "cannot reach the Ray cluster" in lines[0] or "needs the Ray client" in lines[0]
     assert not out.exists()
+
+
+def test_a_cluster_that_refuses_the_connection_says_why_in_one_line(cluster, data, tmp_path):
+    """A process without the cluster's authentication token (Ray turns token authentication on for the clusters it
+    starts) is refused: the line names the reason Ray chains, not only Ray's "Failed to connect" to the address."""
+    if os.environ.get("RAY_AUTH_MODE") != "token":  # set by ray.init when it starts a cluster with tokens
+        pytest.skip("this Ray version starts its local clusters without token authentication")
+    checkpoint, src = data
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | {"RAY_AUTH_MODE": "disabled"}
+    args = ["explain", str(src), "--classifier", str(checkpoint), "--out", str(out), "--engine", "ray"]
+    address = ray.get_runtime_context().gcs_address
+    done = subprocess.run([sys.executable, "-m", "attr_engine", *args, "--address", address],
+                          capture_output=True, text=True, cwd=REPO, timeout=120, env=env)  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert f"cannot connect to the Ray cluster at {address}" in lines[0] and "token" in lines[0], lines[0]
+    assert not out.exists()
