@@ -64,6 +64,10 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
 - ``head``: the classifier head's score of the target at each position of its deepest matching tap as one more
   decoder input (``AHAConfig.head_input``: the class activation map of a pooled linear head), a decoder input
   that costs no backward pass (issue #40 item 4).
+- ``curve``: the learning curve (issue #40 item 2): the default config trained for ``CURVE_FACTORS`` times the
+  leaderboard's steps (a 16x span of training images seen), each its own run (the warm-up and cosine schedules
+  span its budget) with ``fit(val=)`` keeping the weights of its best validation score, never stopping early
+  (the patience covers the whole run); the notes give each row's validation curve and training samples/s.
 
 ``--gap N`` (issue #31) replaces the families with the gap split on the first N test images: AHA T=0 and T=3,
 the per-image optimum of AHA's own objective (:meth:`AHA.optimise_maps`: a free map per image initialised from
@@ -91,6 +95,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.config import grid_rule
@@ -122,12 +127,15 @@ FAMILIES = (
     "stride",
     "teacher",
     "head",
+    "curve",
 )
 # The teacher family's optimum: Adam steps per training image, from the cached default AHA's one-pass maps.
 TEACHER_STEPS = 10
 # The budget family's cap, in multiples of the leaderboard's steps, and its held-out validation images.
 BUDGET_CAP = 4
 BUDGET_VAL_IMAGES = 64
+# The curve family's budgets, in multiples of the leaderboard's steps (its CPU budget: 100, 200, 400, 1600 steps of 8).
+CURVE_FACTORS = (0.25, 0.5, 1, 4)
 PEERS = ("integrated-gradients", "gradient-x-input", "pullback-soft", "pullback-ascent")
 
 
@@ -193,7 +201,11 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
     if family == "decoder":
         return {"decoder light": {"decoder": "light"}}
     if family == "budget":
-        return {"budget early stopping": {"_val": True}}
+        return {"budget early stopping": {"_val": True, "_steps_factor": BUDGET_CAP}}
+    if family == "curve":  # patience 10**6: the run uses its whole budget and keeps its best validation weights
+        return {
+            f"curve x{factor}": {"_val": True, "_steps_factor": factor, "patience": 10**6} for factor in CURVE_FACTORS
+        }
     if family == "distance":
         return {"reference distance": {"reference_distance": True}}
     if family == "noise":
@@ -212,7 +224,14 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
             "pullback input, ascent, skip, refs mean": {**ascent, "pullback_skip": True, "references": ("mean",)},
         }
     if family == "pullback-budget":
-        return {"pullback input, ascent, skip, early stopping": {**ascent, "pullback_skip": True, "_val": True}}
+        return {
+            "pullback input, ascent, skip, early stopping": {
+                **ascent,
+                "pullback_skip": True,
+                "_val": True,
+                "_steps_factor": BUDGET_CAP,
+            }
+        }
     if family == "flat":
         pair = {"targets": "pred+label"}
         return {
@@ -282,6 +301,17 @@ def stopping_note(name: str, history: dict, trained: int, cap: int) -> str:
         f"{name}: stopped after {trained} of at most {cap} steps; validation composite best {best[1]:.3f} at step "
         f"{int(best[0])} (weights of that step kept); curve {points}"
     )
+
+
+def training_step_flops(classifier, config: AHAConfig, train_set) -> str:
+    """One line: the FLOPs of one training step of 8 images (forward and backward, the classifier's passes in the
+    loss included), counted by ``torch.utils.flop_counter`` (matrix products and convolutions) on a fresh explainer,
+    so that a budget in images converts to accelerator hours."""
+    probe = AHA(classifier, config)
+    with FlopCounterMode(display=False) as counter:
+        probe.fit(train_set, batch_size=8, epochs=1, max_steps=1, progress=False)
+    flops = counter.get_total_flops()
+    return f"one training step of 8 images: {flops / 1e9:.1f} GFLOPs ({flops / 8e9:.2f} GFLOPs a training image)"
 
 
 def flat_record(history: History) -> dict:
@@ -461,7 +491,7 @@ def run(args: argparse.Namespace) -> Leaderboard:
         teacher_steps = overrides.pop("_teacher_steps", None)
         val = validation_set(args.data, args.img, args.seed) if overrides.pop("_val", False) else None
         config = dataclasses.replace(base, **overrides)
-        steps = budget.aha_steps * (BUDGET_CAP if val is not None else factor)
+        steps = round(budget.aha_steps * factor)
         # Each trained variant is kept beside the leaderboard's cache entry, so a later run (another family,
         # or one stopped half-way) reuses it.
         folder = variant_folder(args, budget, name)
@@ -477,7 +507,8 @@ def run(args: argparse.Namespace) -> Leaderboard:
             teacher = teacher_maps(args, budget, aha, train_set, teacher_steps) if teacher_steps else None
             fitted = variant.fit(train_set, batch_size=8, epochs=100, max_steps=steps, progress=False, val=val,
                                  teacher=teacher)  # fmt: skip
-            history = {**{k: v for k, v in fitted.items() if "val" in k}, "flat": flat_record(fitted)}
+            history = {**{k: v for k, v in fitted.items() if "val" in k}, "flat": flat_record(fitted),
+                       "train_seconds": time.perf_counter() - start}  # fmt: skip
             if folder is not None:
                 variant.save(folder)
                 (folder / "history.json").write_text(json.dumps(history))
@@ -487,8 +518,13 @@ def run(args: argparse.Namespace) -> Leaderboard:
         notes.append(f"{name}: {overrides or ''} {steps} steps ({seconds:.0f} s)".replace("  ", " "))
         if history.get("val_step"):
             notes.append(stopping_note(name, history, variant.steps_trained, steps))
+        if history.get("train_seconds"):  # the training's own time (validation included), also for a cached row
+            rate = variant.steps_trained * 8 / history["train_seconds"]
+            notes.append(f"{name}: {variant.steps_trained * 8} training images seen, {rate:.1f} images/s")
         if "reference_draw" in overrides:
             notes.append(flat_note(name, history["flat"]) if "flat" in history else f"{name}: no step record kept")
+    if "curve" in args.family:
+        notes.append(training_step_flops(classifier, base, train_set))
     options = {"integrated-gradients": {"n_steps": budget.ig_steps}}
     for name in PEERS:
         methods[name] = get_explainer(name, classifier, **options.get(name, {}))
