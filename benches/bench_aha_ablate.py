@@ -136,6 +136,8 @@ BUDGET_CAP = 4
 BUDGET_VAL_IMAGES = 64
 # The curve family's budgets, in multiples of the leaderboard's steps (its CPU budget: 100, 200, 400, 1600 steps of 8).
 CURVE_FACTORS = (0.25, 0.5, 1, 4)
+# Every row's training batch, the leaderboard's (bench_leaderboard.train): images seen = steps x TRAIN_BATCH.
+TRAIN_BATCH = 8
 PEERS = ("integrated-gradients", "gradient-x-input", "pullback-soft", "pullback-ascent")
 
 
@@ -200,8 +202,9 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
         return {"steps x2": {"_steps_factor": 2}}
     if family == "decoder":
         return {"decoder light": {"decoder": "light"}}
+    early_stopping = {"_val": True, "_steps_factor": BUDGET_CAP}
     if family == "budget":
-        return {"budget early stopping": {"_val": True, "_steps_factor": BUDGET_CAP}}
+        return {"budget early stopping": early_stopping}
     if family == "curve":  # patience 10**6: the run uses its whole budget and keeps its best validation weights
         return {
             f"curve x{factor}": {"_val": True, "_steps_factor": factor, "patience": 10**6} for factor in CURVE_FACTORS
@@ -224,14 +227,7 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
             "pullback input, ascent, skip, refs mean": {**ascent, "pullback_skip": True, "references": ("mean",)},
         }
     if family == "pullback-budget":
-        return {
-            "pullback input, ascent, skip, early stopping": {
-                **ascent,
-                "pullback_skip": True,
-                "_val": True,
-                "_steps_factor": BUDGET_CAP,
-            }
-        }
+        return {"pullback input, ascent, skip, early stopping": {**ascent, "pullback_skip": True, **early_stopping}}
     if family == "flat":
         pair = {"targets": "pred+label"}
         return {
@@ -304,14 +300,15 @@ def stopping_note(name: str, history: dict, trained: int, cap: int) -> str:
 
 
 def training_step_flops(classifier, config: AHAConfig, train_set) -> str:
-    """One line: the FLOPs of one training step of 8 images (forward and backward, the classifier's passes in the
-    loss included), counted by ``torch.utils.flop_counter`` (matrix products and convolutions) on a fresh explainer,
-    so that a budget in images converts to accelerator hours."""
+    """One line: the FLOPs of one training step of ``TRAIN_BATCH`` images (forward and backward, the classifier's
+    passes in the loss included), counted by ``torch.utils.flop_counter`` (matrix products and convolutions) on a
+    fresh explainer, so that a budget in images converts to accelerator hours."""
     probe = AHA(classifier, config)
     with FlopCounterMode(display=False) as counter:
-        probe.fit(train_set, batch_size=8, epochs=1, max_steps=1, progress=False)
+        probe.fit(train_set, batch_size=TRAIN_BATCH, epochs=1, max_steps=1, progress=False)
     flops = counter.get_total_flops()
-    return f"one training step of 8 images: {flops / 1e9:.1f} GFLOPs ({flops / 8e9:.2f} GFLOPs a training image)"
+    step, image = flops / 1e9, flops / TRAIN_BATCH / 1e9
+    return f"one training step of {TRAIN_BATCH} images: {step:.1f} GFLOPs ({image:.2f} GFLOPs a training image)"
 
 
 def flat_record(history: History) -> dict:
@@ -505,8 +502,8 @@ def run(args: argparse.Namespace) -> Leaderboard:
         else:
             variant = AHA(classifier, config)
             teacher = teacher_maps(args, budget, aha, train_set, teacher_steps) if teacher_steps else None
-            fitted = variant.fit(train_set, batch_size=8, epochs=100, max_steps=steps, progress=False, val=val,
-                                 teacher=teacher)  # fmt: skip
+            fitted = variant.fit(train_set, batch_size=TRAIN_BATCH, epochs=100, max_steps=steps, progress=False,
+                                 val=val, teacher=teacher)  # fmt: skip
             history = {**{k: v for k, v in fitted.items() if "val" in k}, "flat": flat_record(fitted),
                        "train_seconds": time.perf_counter() - start}  # fmt: skip
             if folder is not None:
@@ -519,8 +516,8 @@ def run(args: argparse.Namespace) -> Leaderboard:
         if history.get("val_step"):
             notes.append(stopping_note(name, history, variant.steps_trained, steps))
         if history.get("train_seconds"):  # the training's own time (validation included), also for a cached row
-            rate = variant.steps_trained * 8 / history["train_seconds"]
-            notes.append(f"{name}: {variant.steps_trained * 8} training images seen, {rate:.1f} images/s")
+            seen = variant.steps_trained * TRAIN_BATCH
+            notes.append(f"{name}: {seen} training images seen, {seen / history['train_seconds']:.1f} images/s")
         if "reference_draw" in overrides:
             notes.append(flat_note(name, history["flat"]) if "flat" in history else f"{name}: no step record kept")
     if "curve" in args.family:
