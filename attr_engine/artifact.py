@@ -2,7 +2,8 @@
 ONNX file checked and described for a server that runs it in onnxruntime (:func:`read_artifact`).
 
 The writer (``attr-engine export``) and the reader (``attr-engine serve --artifact``) share these names, so a file
-one writes is a file the other takes. Only onnxruntime, numpy and the standard library are imported here, lazily.
+one writes is a file the other takes. Only onnxruntime, onnx (to cut the classifier's subgraph out of a file), numpy
+and the standard library are imported here, lazily.
 """
 
 from __future__ import annotations
@@ -54,15 +55,39 @@ class OnnxArtifact:
     def session(self, threads: int = 1, gpu: bool = False) -> Any:
         """An onnxruntime ``InferenceSession`` of the file with ``threads`` intra-op threads, on onnxruntime's CUDA
         provider first with ``gpu`` (where the installed onnxruntime has it), else the CPU's."""
-        import onnxruntime as ort
+        return _session(self.path, threads, gpu)
 
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        providers = ["CPUExecutionProvider"]
-        if gpu and "CUDAExecutionProvider" in ort.get_available_providers():
-            providers.insert(0, "CUDAExecutionProvider")
-        return ort.InferenceSession(self.path, options, providers=providers)
+    def logits_session(self, threads: int = 1, gpu: bool = False) -> Any:
+        """A session of the file's classifier alone: input ``images``, output ``logits`` (B, K), the file's own
+        subgraph from one to the other (``onnx.utils.Extractor``, in memory), or None where the logits need more
+        than the images (a file export did not write).
+
+        onnxruntime runs every node of a graph whatever outputs a call asks for, so the full :meth:`session`
+        prices a prediction at the prediction and its map; this one at the classifier's cost (measured in
+        benches/README.md "HTTP serving"). It holds a second copy of the classifier's weights.
+        """
+        import onnx
+
+        try:
+            graph = onnx.utils.Extractor(onnx.load(self.path)).extract_model(["images"], ["logits"])
+            onnx.checker.check_model(graph)
+        except Exception:  # onnx's own types (ValidationError, KeyError ...): the logits need "target" too
+            return None
+        return _session(graph.SerializeToString(), threads, gpu)
+
+
+def _session(model: str | bytes, threads: int, gpu: bool) -> Any:
+    """An onnxruntime session of ``model`` (a path or a serialised graph): ``threads`` intra-op threads, one
+    inter-op, onnxruntime's CUDA provider first with ``gpu`` where the installed onnxruntime has it."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    providers = ["CPUExecutionProvider"]
+    if gpu and "CUDAExecutionProvider" in ort.get_available_providers():
+        providers.insert(0, "CUDAExecutionProvider")
+    return ort.InferenceSession(model, options, providers=providers)
 
 
 def read_artifact(path: str | os.PathLike[str], *, crop_pct: float | None = None, frame: str = "image") -> OnnxArtifact:

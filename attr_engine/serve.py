@@ -541,13 +541,16 @@ class _EagerBackend:
 
 class _OnnxBackend:
     """An exported AHA in onnxruntime, built once per replica: inputs cut by
-    :func:`~attr_engine.pixels.preprocess_array`, one run per batch for every row's logits and map (target -1: the
-    predicted class; a ``:predict`` row's map is computed and dropped, the file has no logits-only output), maps
-    drawn back by :func:`~attr_engine.pixels.image_frame_array`. Imports numpy, PIL and onnxruntime, never torch."""
+    :func:`~attr_engine.pixels.preprocess_array`, one run of the file per batch for the ``:explain`` rows' logits
+    and maps (target -1: the predicted class), one run of its classifier alone for the ``:predict`` rows
+    (:meth:`~attr_engine.artifact.OnnxArtifact.logits_session`: the classifier's cost, not the map's; the whole
+    file where the logits cannot be cut out), maps drawn back by :func:`~attr_engine.pixels.image_frame_array`.
+    Imports numpy, PIL, onnx and onnxruntime, never torch."""
 
     def __init__(self, artifact: OnnxArtifact, settings: ServeSettings) -> None:
         self.artifact = artifact
         self.session = artifact.session(settings.threads, gpu=settings.gpus > 0)
+        self.logits_session = artifact.logits_session(settings.threads, gpu=settings.gpus > 0)
         self.num_classes = artifact.num_classes
         self.names = dict(enumerate(artifact.names))
 
@@ -558,32 +561,45 @@ class _OnnxBackend:
         return preprocess_array(image, self.artifact.preprocess), (image.height, image.width)
 
     def compute(self, rows: list[_Row]) -> list[_Answer]:
-        """The rows' answers from one run of the file: the class (the logits' argmax, or the given target), its
-        softmax probability, and for ``:explain`` the map in the output frame (a non-finite map: the row's
-        error)."""
+        """The rows' answers: the class (the logits' argmax, or the given target), its softmax probability, and for
+        ``:explain`` the map in the output frame (a non-finite map: the row's error)."""
+        import numpy as np
+
+        answers: list[_Answer | None] = [None] * len(rows)
+        alone = [not row.explain and self.logits_session is not None for row in rows]  # the classifier alone
+        explained = [i for i, cut in enumerate(alone) if not cut]
+        predicted = [i for i, cut in enumerate(alone) if cut]
+        if explained:
+            x = np.stack([rows[i].x for i in explained])
+            given = np.array([-1 if rows[i].target is None else rows[i].target for i in explained], dtype=np.int64)
+            logits, maps = self.session.run(list(OUTPUT_NAMES), {"images": x, "target": given})
+            for k, i in enumerate(explained):
+                answers[i] = self._answer(rows[i], logits[k], maps[k])
+        if predicted:
+            (logits,) = self.logits_session.run(["logits"], {"images": np.stack([rows[i].x for i in predicted])})
+            for k, i in enumerate(predicted):
+                answers[i] = self._answer(rows[i], logits[k], None)
+        assert all(a is not None for a in answers)
+        return answers  # type: ignore[return-value]  # every row is explained or predicted
+
+    def _answer(self, row: _Row, logits: np.ndarray, amap: np.ndarray | None) -> _Answer:
+        """One row's answer from its ``logits (K,)`` and the file's map ``(H, W)`` of it (None: not computed)."""
         import numpy as np
 
         from attr_engine.pixels import NONFINITE_MAP, image_frame_array
 
-        x = np.stack([row.x for row in rows])
-        given = np.array([-1 if row.target is None else row.target for row in rows], dtype=np.int64)
-        logits, maps = self.session.run(list(OUTPUT_NAMES), {"images": x, "target": given})
         scores = logits.astype(np.float64)
-        exp = np.exp(scores - scores.max(axis=1, keepdims=True))
-        probabilities = exp / exp.sum(axis=1, keepdims=True)
-        answers = []
-        for k, row in enumerate(rows):
-            target = int(scores[k].argmax()) if row.target is None else row.target
-            answer = _Answer(target, float(probabilities[k, target]))
-            if row.explain and not np.isfinite(maps[k]).all():
-                answer.error = NONFINITE_MAP
-            elif row.explain:
-                amap = maps[k].astype(np.float32)
-                if self.artifact.frame == "image":
-                    amap = image_frame_array(amap, row.size, self.artifact.preprocess)
-                answer.map = np.ascontiguousarray(amap)
-            answers.append(answer)
-        return answers
+        exp = np.exp(scores - scores.max())
+        target = int(scores.argmax()) if row.target is None else row.target
+        answer = _Answer(target, float(exp[target] / exp.sum()))
+        if row.explain and amap is not None and not np.isfinite(amap).all():
+            answer.error = NONFINITE_MAP
+        elif row.explain and amap is not None:
+            amap = amap.astype(np.float32)
+            if self.artifact.frame == "image":
+                amap = image_frame_array(amap, row.size, self.artifact.preprocess)
+            answer.map = np.ascontiguousarray(amap)
+        return answer
 
 
 # ---------------------------------------------------------------------------------------------------------------

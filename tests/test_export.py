@@ -115,6 +115,48 @@ def test_the_target_input_picks_the_class_per_image(exported) -> None:
         _run(session, x[:1], [5])
 
 
+def test_the_classifier_alone_is_cut_out_of_the_file_on_every_family(exported) -> None:
+    """A server's :predict session: the file's subgraph from ``images`` to ``logits``, which takes no target and
+    gives the eager classifier's logits (onnxruntime runs every node of the whole file whatever is asked for)."""
+    from attr_engine.artifact import read_artifact
+
+    aha, path, _ = exported
+    session = read_artifact(path).logits_session()
+    assert [i.name for i in session.get_inputs()] == ["images"]
+    assert [o.name for o in session.get_outputs()] == ["logits"]
+    x = _images(3, seed=4)
+    (logits,) = session.run(["logits"], {"images": x.numpy()})
+    with torch.no_grad():
+        np.testing.assert_allclose(logits, aha.classifier(x).numpy(), **LOGIT_TOL)
+
+
+def test_a_file_whose_logits_need_the_target_gets_no_logits_session(tmp_path) -> None:
+    """The cut is refused (None: a server runs the whole file) where the logits read ``target`` too."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from attr_engine.artifact import OnnxArtifact
+
+    nodes = [
+        helper.make_node("ReduceMean", ["images"], ["pooled"], axes=[2, 3], keepdims=0),
+        helper.make_node("Cast", ["target"], ["shift"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["shift", "one"], ["column"]),
+        helper.make_node("Add", ["pooled", "column"], ["logits"]),
+        helper.make_node("ReduceMean", ["images"], ["maps"], axes=[1], keepdims=0),
+    ]
+    value = helper.make_tensor_value_info
+    inputs = [value("images", TensorProto.FLOAT, ["B", 3, 4, 4]), value("target", TensorProto.INT64, ["B"])]
+    outputs = [value("logits", TensorProto.FLOAT, ["B", 3]), value("maps", TensorProto.FLOAT, ["B", 4, 4])]
+    one = helper.make_tensor("one", TensorProto.INT64, [1], [1])
+    graph = helper.make_graph(nodes, "logits_read_the_target", inputs, outputs, [one])
+    path = tmp_path / "target.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    artifact = OnnxArtifact(str(path), 3, DataConfig((4, 4)))
+    feeds = {"images": np.ones((2, 3, 4, 4), np.float32), "target": np.array([0, 2], np.int64)}
+    assert artifact.session().run(["logits"], feeds)[0][:, 0].tolist() == [1.0, 3.0]  # the graph itself runs
+    assert artifact.logits_session() is None
+
+
 def test_the_metadata_travels_in_the_file(exported) -> None:
     aha, _, session = exported
     meta = session.get_modelmeta().custom_metadata_map

@@ -254,6 +254,39 @@ def test_predict_answers_the_class_its_probability_and_name(server, data):
         assert entry["name"] == data["classes"][predicted] and entry["error"] is None
 
 
+def test_an_onnx_replica_predicts_with_the_classifier_alone(artifact, data):
+    """The ONNX back end (no Ray): in one batch, an :explain row runs through the whole file and a :predict row
+    through the classifier's subgraph alone, both with the local classes and probabilities."""
+    from attr_engine.artifact import read_artifact
+    from attr_engine.serve import ModelServer
+
+    server = ModelServer(read_artifact(artifact), ServeSettings(max_pixels=20_000, min_side=8))
+    calls: list[tuple[str, int]] = []
+
+    class Recorded:
+        def __init__(self, name, session):
+            self.name, self.session = name, session
+
+        def run(self, outputs, feeds):
+            calls.append((self.name, len(feeds["images"])))
+            return self.session.run(outputs, feeds)
+
+    backend = server.backend
+    backend.session = Recorded("file", backend.session)
+    backend.logits_session = Recorded("classifier", backend.logits_session)
+    instance = {"image": {"b64": _b64(data["images"]["b.jpg"])}, "target": None}
+    rows = server._rows([instance], False) + server._rows([instance], True) + server._rows([instance], False)
+    answers = backend.compute(rows)
+    assert sorted(calls) == [("classifier", 2), ("file", 1)]
+    predicted = int(data["probabilities"]["b.jpg"].argmax())
+    probability = float(data["probabilities"]["b.jpg"].max())
+    for answer in answers:
+        assert answer.target == predicted and answer.error is None
+        assert answer.probability == pytest.approx(probability, rel=_probability_tolerance("onnx"))
+    assert answers[0].map is None and answers[2].map is None
+    _assert_close(answers[1].map, data["local"]["aha", "pred"]["b.jpg"][0], "onnx")
+
+
 def test_the_readme_example_runs_against_the_server(server, data, tmp_path, monkeypatch):
     """README "Serve over HTTP", its Python block as printed, with this server's address and a photo of ours."""
     from tests.test_readme import code_block
