@@ -574,7 +574,7 @@ class _OnnxBackend:
             given = np.array([-1 if rows[i].target is None else rows[i].target for i in explained], dtype=np.int64)
             logits, maps = self.session.run(list(OUTPUT_NAMES), {"images": x, "target": given})
             for k, i in enumerate(explained):
-                answers[i] = self._answer(rows[i], logits[k], maps[k])
+                answers[i] = self._answer(rows[i], logits[k], maps[k] if rows[i].explain else None)
         if predicted:
             (logits,) = self.logits_session.run(["logits"], {"images": np.stack([rows[i].x for i in predicted])})
             for k, i in enumerate(predicted):
@@ -583,7 +583,8 @@ class _OnnxBackend:
         return answers  # type: ignore[return-value]  # every row is explained or predicted
 
     def _answer(self, row: _Row, logits: np.ndarray, amap: np.ndarray | None) -> _Answer:
-        """One row's answer from its ``logits (K,)`` and the file's map ``(H, W)`` of it (None: not computed)."""
+        """One row's answer from its ``logits (K,)`` and, for an ``:explain`` row, the file's map ``(H, W)`` of it
+        (None: a ``:predict`` row)."""
         import numpy as np
 
         from attr_engine.pixels import NONFINITE_MAP, image_frame_array
@@ -592,13 +593,15 @@ class _OnnxBackend:
         exp = np.exp(scores - scores.max())
         target = int(scores.argmax()) if row.target is None else row.target
         answer = _Answer(target, float(exp[target] / exp.sum()))
-        if row.explain and amap is not None and not np.isfinite(amap).all():
+        if amap is None:
+            return answer
+        if not np.isfinite(amap).all():
             answer.error = NONFINITE_MAP
-        elif row.explain and amap is not None:
-            amap = amap.astype(np.float32)
-            if self.artifact.frame == "image":
-                amap = image_frame_array(amap, row.size, self.artifact.preprocess)
-            answer.map = np.ascontiguousarray(amap)
+            return answer
+        amap = amap.astype(np.float32)
+        if self.artifact.frame == "image":
+            amap = image_frame_array(amap, row.size, self.artifact.preprocess)
+        answer.map = np.ascontiguousarray(amap)
         return answer
 
 
