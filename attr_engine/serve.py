@@ -544,13 +544,19 @@ class _OnnxBackend:
     :func:`~attr_engine.pixels.preprocess_array`, one run of the file per batch for the ``:explain`` rows' logits
     and maps (target -1: the predicted class), one run of its classifier alone for the ``:predict`` rows
     (:meth:`~attr_engine.artifact.OnnxArtifact.logits_session`: the classifier's cost, not the map's; the whole
-    file where the logits cannot be cut out), maps drawn back by :func:`~attr_engine.pixels.image_frame_array`.
-    Imports numpy, PIL, onnx and onnxruntime, never torch."""
+    file, with a warning in the log, where the logits cannot be cut out), maps drawn back by
+    :func:`~attr_engine.pixels.image_frame_array`. Imports numpy, PIL, onnx and onnxruntime, never torch."""
 
     def __init__(self, artifact: OnnxArtifact, settings: ServeSettings) -> None:
         self.artifact = artifact
         self.session = artifact.session(settings.threads, gpu=settings.gpus > 0)
         self.logits_session = artifact.logits_session(settings.threads, gpu=settings.gpus > 0)
+        if self.logits_session is None:  # a slower :predict is the operator's to know, not to discover
+            logger.warning(
+                "%s: the logits cannot be cut out of the file without its maps (they read the target), so :predict "
+                "runs the whole file, at the price of a map",
+                artifact.path,
+            )
         self.num_classes = artifact.num_classes
         self.names = dict(enumerate(artifact.names))
 

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from attr_engine.aha import AHA, AHAConfig
+from attr_engine.artifact import OnnxArtifact
 from attr_engine.classifier import classifier_fingerprint
 from attr_engine.cli import main
 from attr_engine.explainer import get_explainer
@@ -130,12 +131,11 @@ def test_the_classifier_alone_is_cut_out_of_the_file_on_every_family(exported) -
         np.testing.assert_allclose(logits, aha.classifier(x).numpy(), **LOGIT_TOL)
 
 
-def test_a_file_whose_logits_need_the_target_gets_no_logits_session(tmp_path) -> None:
-    """The cut is refused (None: a server runs the whole file) where the logits read ``target`` too."""
+def logits_read_the_target(path: Path) -> OnnxArtifact:
+    """A hand-written file of export's inputs and outputs (3 classes, 4 x 4 images) whose logits read ``target``:
+    ``logits[b, k] = mean(images[b, k]) + target[b]``, so its classifier cannot be cut out alone."""
     import onnx
     from onnx import TensorProto, helper
-
-    from attr_engine.artifact import OnnxArtifact
 
     nodes = [
         helper.make_node("ReduceMean", ["images"], ["pooled"], axes=[2, 3], keepdims=0),
@@ -149,9 +149,13 @@ def test_a_file_whose_logits_need_the_target_gets_no_logits_session(tmp_path) ->
     outputs = [value("logits", TensorProto.FLOAT, ["B", 3]), value("maps", TensorProto.FLOAT, ["B", 4, 4])]
     one = helper.make_tensor("one", TensorProto.INT64, [1], [1])
     graph = helper.make_graph(nodes, "logits_read_the_target", inputs, outputs, [one])
-    path = tmp_path / "target.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    artifact = OnnxArtifact(str(path), 3, DataConfig((4, 4)))
+    return OnnxArtifact(str(path), 3, DataConfig((4, 4)))
+
+
+def test_a_file_whose_logits_need_the_target_gets_no_logits_session(tmp_path) -> None:
+    """The cut is refused (None: a server runs the whole file) where the logits read ``target`` too."""
+    artifact = logits_read_the_target(tmp_path / "target.onnx")
     feeds = {"images": np.ones((2, 3, 4, 4), np.float32), "target": np.array([0, 2], np.int64)}
     assert artifact.session().run(["logits"], feeds)[0][:, 0].tolist() == [1.0, 3.0]  # the graph itself runs
     assert artifact.logits_session() is None

@@ -254,13 +254,15 @@ def test_predict_answers_the_class_its_probability_and_name(server, data):
         assert entry["name"] == data["classes"][predicted] and entry["error"] is None
 
 
-def test_an_onnx_replica_predicts_with_the_classifier_alone(artifact, data):
+def test_an_onnx_replica_predicts_with_the_classifier_alone(artifact, data, caplog):
     """The ONNX back end (no Ray): in one batch, an :explain row runs through the whole file and a :predict row
     through the classifier's subgraph alone, both with the local classes and probabilities."""
     from attr_engine.artifact import read_artifact
     from attr_engine.serve import ModelServer
 
-    server = ModelServer(read_artifact(artifact), ServeSettings(max_pixels=20_000, min_side=8))
+    with caplog.at_level("WARNING", logger="attr_engine.serve"):
+        server = ModelServer(read_artifact(artifact), ServeSettings(max_pixels=20_000, min_side=8))
+    assert not caplog.records  # the classifier was cut out: nothing to warn of
     calls: list[tuple[str, int]] = []
 
     class Recorded:
@@ -285,6 +287,19 @@ def test_an_onnx_replica_predicts_with_the_classifier_alone(artifact, data):
         assert answer.probability == pytest.approx(probability, rel=_probability_tolerance("onnx"))
     assert answers[0].map is None and answers[2].map is None
     _assert_close(answers[1].map, data["local"]["aha", "pred"]["b.jpg"][0], "onnx")
+
+
+def test_an_onnx_replica_whose_logits_cannot_be_cut_out_says_so(tmp_path, caplog):
+    """A file whose logits read the target keeps :predict on the whole file, and the log names the file and why."""
+    from attr_engine.serve import ModelServer
+    from tests.test_export import logits_read_the_target
+
+    artifact = logits_read_the_target(tmp_path / "target.onnx")
+    with caplog.at_level("WARNING", logger="attr_engine.serve"):
+        server = ModelServer(artifact, ServeSettings())
+    assert server.backend.logits_session is None
+    (record,) = caplog.records
+    assert artifact.path in record.getMessage() and ":predict runs the whole file" in record.getMessage()
 
 
 def test_the_readme_example_runs_against_the_server(server, data, tmp_path, monkeypatch):
