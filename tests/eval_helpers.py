@@ -1,4 +1,5 @@
-"""Small classifiers for the evaluation-suite tests (metrics, baselines, leaderboard): fast on a CPU, seeded."""
+"""Small classifiers for the evaluation-suite tests (metrics, baselines, leaderboard): fast on a CPU, seeded; and
+the hand-made files the export and serve tests share."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from attr_engine.artifact import OnnxArtifact
 from attr_engine.classifier import Classifier, load_classifier
+from attr_engine.pixels import DataConfig
 
 MEAN = (0.5, 0.4, 0.3)
 STD = (0.25, 0.2, 0.5)
@@ -94,3 +97,25 @@ def untrained_resnet_checkpoint(directory: Path) -> Path:
     path = directory / "classifier.safetensors"
     save_classifier(small_model_config("resnet", 32).build(6), path)
     return path
+
+
+def logits_read_the_target(path: Path) -> OnnxArtifact:
+    """A hand-written file of export's inputs and outputs (3 classes, 4 x 4 images) whose logits read ``target``:
+    ``logits[b, k] = mean(images[b, k]) + target[b]``, so its classifier cannot be cut out alone."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes = [
+        helper.make_node("ReduceMean", ["images"], ["pooled"], axes=[2, 3], keepdims=0),
+        helper.make_node("Cast", ["target"], ["shift"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["shift", "one"], ["column"]),
+        helper.make_node("Add", ["pooled", "column"], ["logits"]),
+        helper.make_node("ReduceMean", ["images"], ["maps"], axes=[1], keepdims=0),
+    ]
+    value = helper.make_tensor_value_info
+    inputs = [value("images", TensorProto.FLOAT, ["B", 3, 4, 4]), value("target", TensorProto.INT64, ["B"])]
+    outputs = [value("logits", TensorProto.FLOAT, ["B", 3]), value("maps", TensorProto.FLOAT, ["B", 4, 4])]
+    one = helper.make_tensor("one", TensorProto.INT64, [1], [1])
+    graph = helper.make_graph(nodes, "logits_read_the_target", inputs, outputs, [one])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return OnnxArtifact(str(path), 3, DataConfig((4, 4)))

@@ -25,14 +25,13 @@ import pytest
 import torch
 
 from attr_engine.aha import AHA, AHAConfig
-from attr_engine.artifact import OnnxArtifact
 from attr_engine.classifier import classifier_fingerprint
 from attr_engine.cli import main
 from attr_engine.explainer import get_explainer
 from attr_engine.pixels import DataConfig
 from tests.aha_helpers import tiny_aha
 from tests.conftest import ZOO
-from tests.eval_helpers import single_thread, untrained_resnet_checkpoint
+from tests.eval_helpers import logits_read_the_target, single_thread, untrained_resnet_checkpoint
 
 ort = pytest.importorskip("onnxruntime", reason="the export extra (onnxruntime) is not installed")
 pytest.importorskip("onnxscript", reason="the export extra (onnxscript) is not installed")
@@ -129,28 +128,6 @@ def test_the_classifier_alone_is_cut_out_of_the_file_on_every_family(exported) -
     (logits,) = session.run(["logits"], {"images": x.numpy()})
     with torch.no_grad():
         np.testing.assert_allclose(logits, aha.classifier(x).numpy(), **LOGIT_TOL)
-
-
-def logits_read_the_target(path: Path) -> OnnxArtifact:
-    """A hand-written file of export's inputs and outputs (3 classes, 4 x 4 images) whose logits read ``target``:
-    ``logits[b, k] = mean(images[b, k]) + target[b]``, so its classifier cannot be cut out alone."""
-    import onnx
-    from onnx import TensorProto, helper
-
-    nodes = [
-        helper.make_node("ReduceMean", ["images"], ["pooled"], axes=[2, 3], keepdims=0),
-        helper.make_node("Cast", ["target"], ["shift"], to=TensorProto.FLOAT),
-        helper.make_node("Unsqueeze", ["shift", "one"], ["column"]),
-        helper.make_node("Add", ["pooled", "column"], ["logits"]),
-        helper.make_node("ReduceMean", ["images"], ["maps"], axes=[1], keepdims=0),
-    ]
-    value = helper.make_tensor_value_info
-    inputs = [value("images", TensorProto.FLOAT, ["B", 3, 4, 4]), value("target", TensorProto.INT64, ["B"])]
-    outputs = [value("logits", TensorProto.FLOAT, ["B", 3]), value("maps", TensorProto.FLOAT, ["B", 4, 4])]
-    one = helper.make_tensor("one", TensorProto.INT64, [1], [1])
-    graph = helper.make_graph(nodes, "logits_read_the_target", inputs, outputs, [one])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return OnnxArtifact(str(path), 3, DataConfig((4, 4)))
 
 
 def test_a_file_whose_logits_need_the_target_gets_no_logits_session(tmp_path) -> None:

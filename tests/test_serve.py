@@ -42,7 +42,7 @@ from attr_engine.classifier import load_classifier  # noqa: E402
 from attr_engine.cli import main  # noqa: E402
 from attr_engine.imageops import data_config, decode_image, prepare_input  # noqa: E402
 from attr_engine.serve import APP, InstanceError, ServeSettings, encode_map, logits_and_maps, read_image  # noqa: E402
-from tests.eval_helpers import single_thread, untrained_resnet_checkpoint  # noqa: E402
+from tests.eval_helpers import logits_read_the_target, single_thread, untrained_resnet_checkpoint  # noqa: E402
 from tests.ray_helpers import start_local_ray  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -292,7 +292,6 @@ def test_an_onnx_replica_predicts_with_the_classifier_alone(artifact, data, capl
 def test_an_onnx_replica_whose_logits_cannot_be_cut_out_says_so(tmp_path, caplog):
     """A file whose logits read the target keeps :predict on the whole file, and the log names the file and why."""
     from attr_engine.serve import ModelServer
-    from tests.test_export import logits_read_the_target
 
     artifact = logits_read_the_target(tmp_path / "target.onnx")
     with caplog.at_level("WARNING", logger="attr_engine.serve"):
