@@ -120,6 +120,32 @@ def test_the_guided_upsampling_equals_its_definition_pixel_by_pixel():
         torch.testing.assert_close(up(low, x), _joint_bilateral_by_the_pixel(up, low, x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("colour_log", [3.1, 8.0])  # e^8 ~ 3000: each logit's exp alone underflows to 0
+def test_a_traced_graph_gets_the_cell_by_cell_softmax_with_the_same_map_and_gradient(monkeypatch, colour_log):
+    from attr_engine.aha import network
+
+    torch.manual_seed(0)
+    up = GuidedUpsample(4)
+    with torch.no_grad():
+        up.spatial_log.fill_(0.3)
+        up.colour_log.fill_(colour_log)
+    low, x = torch.randn(3, 3, 2, requires_grad=True), torch.rand(3, 3, 12, 8)
+    eager = up(low, x)
+    (grad_eager,) = torch.autograd.grad(eager.square().sum(), low)
+    calls = []
+    streamed = GuidedUpsample.cell_by_cell
+    monkeypatch.setattr(GuidedUpsample, "cell_by_cell", lambda self, m, g: calls.append(len(m)) or streamed(self, m, g))
+    monkeypatch.setattr(network, "_tracing", lambda: True)
+    traced = up(low, x)
+    assert calls == [3]
+    (grad_traced,) = torch.autograd.grad(traced.square().sum(), low)
+    assert torch.isfinite(traced).all()
+    torch.testing.assert_close(traced, eager, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad_traced, grad_eager, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # 1e-4: at b ~ 3000 the expanded square (2b p.c - b |c|^2) keeps fewer float32 digits
+        torch.testing.assert_close(traced, _joint_bilateral_by_the_pixel(up, low, x), atol=1e-4, rtol=1e-4)
+
+
 def test_a_batch_is_upsampled_in_slices_that_equal_the_whole_batch_and_its_gradient(monkeypatch):
     from attr_engine.aha import network
 
@@ -129,8 +155,8 @@ def test_a_batch_is_upsampled_in_slices_that_equal_the_whole_batch_and_its_gradi
     whole = up(low, x)  # 5 x 9 x 96 logits: far below the budget, one step
     (grad_whole,) = torch.autograd.grad(whole.square().sum(), low)
     calls = []
-    upsample = GuidedUpsample._upsample
-    monkeypatch.setattr(GuidedUpsample, "_upsample", lambda self, m, g: calls.append(len(m)) or upsample(self, m, g))
+    upsample = GuidedUpsample.all_cells
+    monkeypatch.setattr(GuidedUpsample, "all_cells", lambda self, m, g: calls.append(len(m)) or upsample(self, m, g))
     monkeypatch.setattr(network, "GUIDED_SLICE_BYTES", 2 * 9 * 12 * 8 * 4)  # two images' logits
     sliced = up(low, x)
     assert calls == [2, 2, 1]

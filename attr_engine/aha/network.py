@@ -40,6 +40,9 @@ GUIDED_COLOUR_SCALE = 12.5
 # 58 MB. Chosen from a sweep of 1-64 MiB at 1 and 2 threads (benches/README.md, "The guided upsampler alone").
 GUIDED_SLICE_BYTES = 4 * 2**20
 
+# GuidedUpsample's 3 x 3 neighbouring cells, row-major, as offsets into maps padded by one cell.
+_WINDOWS = tuple((i, j) for i in range(3) for j in range(3))
+
 
 class FeatureBackbone(nn.Module):
     """Frozen multi-level features of a timm, torchvision or Hugging Face classifier, as (B, C, h, w) maps.
@@ -361,27 +364,39 @@ class GuidedUpsample(nn.Module):
         """maps (B, h, w); x (B, 3, h * stride, w * stride) the guide image -> (B, h * stride, w * stride).
 
         In eager mode a batch is upsampled in slices of :data:`GUIDED_SLICE_BYTES` worth of logits (each image's
-        result is the same as alone); a graph being traced or exported sees one whole-batch step, so its batch
-        dimension stays symbolic.
+        result is the same as alone) by :meth:`all_cells`. A graph being traced or exported gets
+        :meth:`cell_by_cell`, the same map over the whole batch (its batch dimension stays symbolic): in onnxruntime
+        the nine-way softmax of :meth:`all_cells` is the slower form, in eager PyTorch the faster one
+        (benches/README.md "The guided upsampler alone").
         """
         if _tracing():
-            return self._upsample(maps, x)
+            return self.cell_by_cell(maps, x)
         per_slice = max(1, GUIDED_SLICE_BYTES // (9 * x.shape[-2] * x.shape[-1] * 4))
         if len(maps) <= per_slice:
-            return self._upsample(maps, x)
-        return torch.cat([self._upsample(m, g) for m, g in zip(maps.split(per_slice), x.split(per_slice), strict=True)])
+            return self.all_cells(maps, x)
+        return torch.cat([self.all_cells(m, g) for m, g in zip(maps.split(per_slice), x.split(per_slice), strict=True)])
 
-    def _upsample(self, maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _neighbourhood(self, maps: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """maps (B, h, w), x (B, 3, H, W) -> each output pixel's colour as (B, 3, s^2, h, w) (sub-pixel ``k`` of cell
+        ``(y, x)`` at ``[:, :, k, y, x]``), the maps and the cells' mean colours padded by one cell: (B, 1, h + 2,
+        w + 2) and (B, 3, h + 2, w + 2), so the neighbour ``(i, j)`` of every cell is the slice ``[..., i : i + h,
+        j : j + w]`` (edge cells repeat)."""
         s = self.stride
         bsz, height, width = maps.shape
         x = x.float()
-        cells = F.avg_pool2d(x, s)  # (B, 3, h, w)
         pixels = F.pixel_unshuffle(x, s).reshape(bsz, 3, s * s, height, width)
-        padded_maps = F.pad(maps.float()[:, None], (1, 1, 1, 1), mode="replicate")[:, 0]
-        padded_cells = F.pad(cells, (1, 1, 1, 1), mode="replicate")
-        windows = [(i, j) for i in range(3) for j in range(3)]
-        near_maps = torch.stack([padded_maps[:, i : i + height, j : j + width] for i, j in windows], 1)
-        near_cells = torch.stack([padded_cells[:, :, i : i + height, j : j + width] for i, j in windows], 2)
+        padded_maps = F.pad(maps.float()[:, None], (1, 1, 1, 1), mode="replicate")
+        padded_cells = F.pad(F.avg_pool2d(x, s), (1, 1, 1, 1), mode="replicate")
+        return pixels, padded_maps, padded_cells
+
+    def all_cells(self, maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The map, maps (B, h, w) -> (B, h * stride, w * stride), from the logits of the nine cells at once: one
+        (B, 9, s^2, h, w) tensor and one softmax over its second dimension."""
+        s = self.stride
+        height, width = maps.shape[-2:]
+        pixels, padded_maps, padded_cells = self._neighbourhood(maps, x)
+        near_maps = torch.stack([padded_maps[:, 0, i : i + height, j : j + width] for i, j in _WINDOWS], 1)
+        near_cells = torch.stack([padded_cells[:, :, i : i + height, j : j + width] for i, j in _WINDOWS], 2)
         # -b |p - c|^2 = -b |p|^2 + 2b p.c - b |c|^2, and -b |p|^2 is the same for a pixel's nine cells, so it
         # cancels in the softmax: the logits are 2b p.c - b |c|^2 - a d^2, (B, 9, s^2, h, w), the dot product
         # summed channel by channel (a batched matmul of 3-long vectors per position is 5x slower on the CPU)
@@ -394,6 +409,35 @@ class GuidedUpsample(nn.Module):
         logits = logits + (cell_terms[:, :, None] - self.spatial_log.exp() * self.spatial)
         out = (logits.softmax(1) * near_maps[:, :, None]).sum(1)  # (B, s^2, h, w)
         return F.pixel_shuffle(out, s)[:, 0]
+
+    def cell_by_cell(self, maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`all_cells`'s map as a two-pass softmax over the nine cells, one cell at a time: a first pass takes
+        the largest logit of each (B, s^2, h, w) position, a second sums ``exp(logit - largest)`` and its product
+        with the cell's score. Each cell's logit is computed in both passes, so no tensor is larger than
+        (B, s^2, h, w), 9x smaller than :meth:`all_cells`'s logits."""
+        height, width = maps.shape[-2:]
+        pixels, padded_maps, padded_cells = self._neighbourhood(maps, x)
+        colour_scale = self.colour_log.exp()
+        spatial = self.spatial_log.exp() * self.spatial  # (9, s^2, 1, 1)
+
+        def logit(k: int) -> torch.Tensor:  # (B, s^2, h, w): 2b p.c - b |c|^2 - a d^2 for neighbour k
+            i, j = _WINDOWS[k]
+            cell = padded_cells[:, :, i : i + height, j : j + width]  # (B, 3, h, w)
+            scaled = (2 * colour_scale) * cell
+            dot = pixels[:, 0] * scaled[:, 0:1] + pixels[:, 1] * scaled[:, 1:2] + pixels[:, 2] * scaled[:, 2:3]
+            return dot + (-colour_scale * cell.square().sum(1, keepdim=True) - spatial[k])
+
+        largest = logit(0)
+        for k in range(1, 9):
+            largest = torch.maximum(largest, logit(k))
+        weights = (logit(0) - largest).exp()
+        total, weighted = weights, weights * padded_maps[:, :, :height, :width]
+        for k in range(1, 9):
+            i, j = _WINDOWS[k]
+            weights = (logit(k) - largest).exp()
+            total = total + weights
+            weighted = weighted + weights * padded_maps[:, :, i : i + height, j : j + width]
+        return F.pixel_shuffle(weighted / total, self.stride)[:, 0]
 
 
 def _tracing() -> bool:
