@@ -25,6 +25,10 @@ Ratios from the same run: ``fused / classifier`` and ``onnx / classifier ort`` (
 prediction, eager and exported; issue #41's target <= 1.25 on resnet50, convnext_tiny and vit_small and <= 1.5 on
 resnet18 at 224 px, 1 thread), the decoder's share of ``fused`` (``(fused - classifier) / fused``), and ``|maps|``
 the largest difference between the ONNX artifact's maps and eager's (<= 1e-4).
+
+``--flops`` prints the work instead, per image at batch 1 (a count, the same under any load): GFLOPs of the
+classifier and of ``predict_and_explain`` as ``torch.utils.flop_counter`` counts them (matrix products,
+convolutions, attention; elementwise operations such as the guided upsampler's, about 90 a pixel, are not counted).
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ import argparse
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.classifier import Classifier
@@ -138,6 +144,29 @@ def print_row(model: str, size: int, stride: int, threads: int, batch: int, row:
     )  # fmt: skip
 
 
+def gflops(fn: Callable[[torch.Tensor], object], x: torch.Tensor) -> float:
+    """The GFLOPs ``fn(x)`` runs, without autograd."""
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        fn(x)
+    return counter.get_total_flops() / 1e9
+
+
+def print_flops(models: list[str], sizes: list[int], strides: list[int], decoder: str) -> None:
+    """The work table: per model, size and stride, the classifier's and the prediction-and-map's GFLOPs an image."""
+    print("| model | px | stride | classifier GFLOPs | fused GFLOPs | fused / classifier | decoder share |")
+    print("|---|---|---|---|---|---|---|")
+    for model in models:
+        for size in sizes:
+            classifier = build(model, size)
+            x = torch.rand(1, 3, size, size, generator=torch.Generator().manual_seed(0))
+            base = gflops(classifier, x)
+            for stride in strides:
+                aha = AHA(classifier, AHAConfig(decoder=decoder, decoder_stride=stride), img_size=size)
+                fused = gflops(aha.predict_and_explain, x)
+                print(f"| {model} | {size} | {stride} | {base:.2f} | {fused:.2f} | {fused / base:.2f} | "
+                      f"{(fused - base) / fused:.0%} |", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -148,7 +177,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-pt2", action="store_true", help="skip the AOTInductor package (a compile of minutes)")
     parser.add_argument("--decoder", choices=("full", "light"), default="full", help="AHAConfig.decoder")
+    parser.add_argument("--flops", action="store_true", help="print GFLOPs an image (batch 1) instead of timing")
     args = parser.parse_args()
+    if args.flops:
+        sizes = [int(s) for s in args.sizes.split(",")]
+        print_flops(args.models.split(","), sizes, [int(s) for s in args.strides.split(",")], args.decoder)
+        return
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
     print(f"decoder {args.decoder}", flush=True)
     print(
