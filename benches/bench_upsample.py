@@ -47,6 +47,7 @@ class _Form(torch.nn.Module):
 @functools.cache
 def _session(form: str, stride: int):  # -> onnxruntime.InferenceSession
     ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")  # torch.onnx.export(dynamo=True) needs it
     maps, x = torch.randn(2, SIZE // stride, SIZE // stride), torch.rand(2, 3, SIZE, SIZE)
     batch = torch.export.Dim("batch")
     program = torch.onnx.export(
@@ -57,11 +58,12 @@ def _session(form: str, stride: int):  # -> onnxruntime.InferenceSession
         dynamic_shapes={"maps": {0: batch}, "x": {0: batch}},
         verbose=False,
     )
-    path = Path(tempfile.mkdtemp()) / "upsample.onnx"
-    program.save(str(path))
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = torch.get_num_threads(), 1
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    with tempfile.TemporaryDirectory() as tmp:  # the session holds the graph: the file can go
+        path = Path(tmp) / "upsample.onnx"
+        program.save(str(path))
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def _case(upsample: str, stride: int, batch: int) -> Callable[[], object]:

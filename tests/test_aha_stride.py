@@ -120,30 +120,39 @@ def test_the_guided_upsampling_equals_its_definition_pixel_by_pixel():
         torch.testing.assert_close(up(low, x), _joint_bilateral_by_the_pixel(up, low, x), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("colour_log", [3.1, 8.0])  # e^8 ~ 3000: each logit's exp alone underflows to 0
-def test_a_traced_graph_gets_the_cell_by_cell_softmax_with_the_same_map_and_gradient(monkeypatch, colour_log):
+@pytest.mark.parametrize(("stride", "height", "width"), [(4, 3, 2), (8, 1, 3)])
+@pytest.mark.parametrize("colour_log", [3.1, 8.0])  # e^8 ~ 3000: each logit's exp alone over- or underflows
+def test_a_traced_graph_gets_the_cell_by_cell_softmax_with_the_same_map_and_gradient(
+    monkeypatch, colour_log, stride, height, width
+):
     from attr_engine.aha import network
 
     torch.manual_seed(0)
-    up = GuidedUpsample(4)
+    up = GuidedUpsample(stride)
     with torch.no_grad():
         up.spatial_log.fill_(0.3)
         up.colour_log.fill_(colour_log)
-    low, x = torch.randn(3, 3, 2, requires_grad=True), torch.rand(3, 3, 12, 8)
+    low = torch.randn(3, height, width, requires_grad=True)
+    x = torch.rand(3, 3, height * stride, width * stride)
+    inputs = (low, up.spatial_log, up.colour_log)
     eager = up(low, x)
-    (grad_eager,) = torch.autograd.grad(eager.square().sum(), low)
+    grad_eager = torch.autograd.grad(eager.square().sum(), inputs)
     calls = []
     streamed = GuidedUpsample.cell_by_cell
     monkeypatch.setattr(GuidedUpsample, "cell_by_cell", lambda self, m, g: calls.append(len(m)) or streamed(self, m, g))
     monkeypatch.setattr(network, "_tracing", lambda: True)
     traced = up(low, x)
     assert calls == [3]
-    (grad_traced,) = torch.autograd.grad(traced.square().sum(), low)
+    grad_traced = torch.autograd.grad(traced.square().sum(), inputs)  # the map's and both scales' gradients
     assert torch.isfinite(traced).all()
     torch.testing.assert_close(traced, eager, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(grad_traced, grad_eager, atol=1e-5, rtol=1e-5)
-    with torch.no_grad():  # 1e-4: at b ~ 3000 the expanded square (2b p.c - b |c|^2) keeps fewer float32 digits
-        torch.testing.assert_close(traced, _joint_bilateral_by_the_pixel(up, low, x), atol=1e-4, rtol=1e-4)
+    # at b ~ 3000 the scales' gradients sum logits of 1e3 and more, whose float32 rounding differs between the two
+    # forms by about 0.4 %: there only the map's gradient is compared
+    checked = len(inputs) if colour_log < 5 else 1
+    torch.testing.assert_close(grad_traced[:checked], grad_eager[:checked], atol=1e-4, rtol=1e-4)
+    tol = 1e-5 if colour_log < 5 else 1e-3  # at b ~ 3000 the expanded square (2b p.c - b |c|^2) keeps fewer digits
+    with torch.no_grad():
+        torch.testing.assert_close(traced, _joint_bilateral_by_the_pixel(up, low, x), atol=tol, rtol=tol)
 
 
 def test_a_batch_is_upsampled_in_slices_that_equal_the_whole_batch_and_its_gradient(monkeypatch):

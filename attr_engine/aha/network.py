@@ -364,10 +364,11 @@ class GuidedUpsample(nn.Module):
         """maps (B, h, w); x (B, 3, h * stride, w * stride) the guide image -> (B, h * stride, w * stride).
 
         In eager mode a batch is upsampled in slices of :data:`GUIDED_SLICE_BYTES` worth of logits (each image's
-        result is the same as alone) by :meth:`all_cells`. A graph being traced or exported gets
-        :meth:`cell_by_cell`, the same map over the whole batch (its batch dimension stays symbolic): in onnxruntime
-        the nine-way softmax of :meth:`all_cells` is the slower form, in eager PyTorch the faster one
-        (benches/README.md "The guided upsampler alone").
+        result is the same as alone) by :meth:`all_cells`. A graph being traced, exported or compiled (ONNX, the
+        AOTInductor package, ``torch.compile``) gets :meth:`cell_by_cell`, the same map over the whole batch (its
+        batch dimension stays symbolic): in onnxruntime the nine-way softmax of :meth:`all_cells` is the slower
+        form, in eager PyTorch the faster one (benches/README.md "The guided upsampler alone"; the compiled forms
+        are not timed).
         """
         if _tracing():
             return self.cell_by_cell(maps, x)
@@ -378,7 +379,7 @@ class GuidedUpsample(nn.Module):
 
     def _neighbourhood(self, maps: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """maps (B, h, w), x (B, 3, H, W) -> each output pixel's colour as (B, 3, s^2, h, w) (sub-pixel ``k`` of cell
-        ``(y, x)`` at ``[:, :, k, y, x]``), the maps and the cells' mean colours padded by one cell: (B, 1, h + 2,
+        ``(cy, cx)`` at ``[:, :, k, cy, cx]``), the maps and the cells' mean colours padded by one cell: (B, 1, h + 2,
         w + 2) and (B, 3, h + 2, w + 2), so the neighbour ``(i, j)`` of every cell is the slice ``[..., i : i + h,
         j : j + w]`` (edge cells repeat)."""
         s = self.stride
@@ -413,8 +414,9 @@ class GuidedUpsample(nn.Module):
     def cell_by_cell(self, maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """:meth:`all_cells`'s map as a two-pass softmax over the nine cells, one cell at a time: a first pass takes
         the largest logit of each (B, s^2, h, w) position, a second sums ``exp(logit - largest)`` and its product
-        with the cell's score. Each cell's logit is computed in both passes, so no tensor is larger than
-        (B, s^2, h, w), 9x smaller than :meth:`all_cells`'s logits."""
+        with the cell's score. Each cell's logit is computed in both passes, so in inference no logit tensor is
+        larger than (B, s^2, h, w), 9x smaller than :meth:`all_cells`' (B, 9, s^2, h, w). The shift is detached:
+        it does not change the softmax, so its gradient is zero and need not be traced."""
         height, width = maps.shape[-2:]
         pixels, padded_maps, padded_cells = self._neighbourhood(maps, x)
         colour_scale = self.colour_log.exp()
@@ -430,10 +432,9 @@ class GuidedUpsample(nn.Module):
         largest = logit(0)
         for k in range(1, 9):
             largest = torch.maximum(largest, logit(k))
-        weights = (logit(0) - largest).exp()
-        total, weighted = weights, weights * padded_maps[:, :, :height, :width]
-        for k in range(1, 9):
-            i, j = _WINDOWS[k]
+        largest = largest.detach()
+        total = weighted = torch.zeros_like(largest)
+        for k, (i, j) in enumerate(_WINDOWS):
             weights = (logit(k) - largest).exp()
             total = total + weights
             weighted = weighted + weights * padded_maps[:, :, i : i + height, j : j + width]
