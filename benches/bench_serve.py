@@ -186,9 +186,10 @@ def main() -> None:
     parser.add_argument("--decoder", choices=("full", "light"), default="full", help="AHAConfig.decoder")
     parser.add_argument("--flops", action="store_true", help="print GFLOPs an image (batch 1) instead of timing")
     args = parser.parse_args()
+    models = args.models.split(",")
+    sizes, strides = [int(s) for s in args.sizes.split(",")], [int(s) for s in args.strides.split(",")]
     if args.flops:
-        sizes = [int(s) for s in args.sizes.split(",")]
-        print_flops(args.models.split(","), sizes, [int(s) for s in args.strides.split(",")], args.decoder)
+        print_flops(models, sizes, strides, args.decoder)
         return
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
     print(f"decoder {args.decoder}", flush=True)
@@ -197,10 +198,9 @@ def main() -> None:
         "| onnx / classifier ort | decoder share | max map diff |"
     )
     print("|" + "---|" * (len(COLUMNS) + 9))
-    strides = [int(s) for s in args.strides.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        for model in args.models.split(","):
-            for size in (int(s) for s in args.sizes.split(",")):
+        for model in models:
+            for size in sizes:
                 classifier = build(model, size)
                 root = Path(tmp) / f"{model}-{size}"
                 root.mkdir()

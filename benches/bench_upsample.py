@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from attr_engine.aha.network import GuidedUpsample
+from benches.bench_serve import session
 
 SIZE = 224
 EAGER = ("guided", "guided all cells", "guided cell by cell", "bilinear")
@@ -46,7 +47,7 @@ class _Form(torch.nn.Module):
 
 @functools.cache
 def _session(form: str, stride: int):  # -> onnxruntime.InferenceSession
-    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")  # torch.onnx.export(dynamo=True) needs it
     maps, x = torch.randn(2, SIZE // stride, SIZE // stride), torch.rand(2, 3, SIZE, SIZE)
     batch = torch.export.Dim("batch")
@@ -58,12 +59,10 @@ def _session(form: str, stride: int):  # -> onnxruntime.InferenceSession
         dynamic_shapes={"maps": {0: batch}, "x": {0: batch}},
         verbose=False,
     )
-    options = ort.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = torch.get_num_threads(), 1
     with tempfile.TemporaryDirectory() as tmp:  # the session holds the graph: the file can go
         path = Path(tmp) / "upsample.onnx"
         program.save(str(path))
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return session(path, torch.get_num_threads())
 
 
 def _case(upsample: str, stride: int, batch: int) -> Callable[[], object]:
@@ -72,8 +71,8 @@ def _case(upsample: str, stride: int, batch: int) -> Callable[[], object]:
     low = torch.randn(batch, SIZE // stride, SIZE // stride, generator=gen)
     up = GuidedUpsample(stride)
     if upsample in ONNX:
-        session, feed = _session(upsample.removeprefix("onnx "), stride), {"maps": low.numpy(), "x": x.numpy()}
-        return lambda: session.run(None, feed)
+        exported, feed = _session(upsample.removeprefix("onnx "), stride), {"maps": low.numpy(), "x": x.numpy()}
+        return lambda: exported.run(None, feed)
     if upsample == "guided":
         return lambda: up(low, x)
     if upsample == "guided all cells":
