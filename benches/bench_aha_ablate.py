@@ -248,7 +248,12 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
     if family == "head":
         return {"head input": {"head_input": True}}
     if family == "teacher":  # the default AHA's per-image optimum (TEACHER_STEPS Adam steps) as the teacher
-        return {f"teacher {w}": {"teacher_weight": w, "_teacher_steps": TEACHER_STEPS} for w in (0.3, 1.0)}
+        rows = {f"teacher {w}": {"teacher_weight": w, "_teacher_steps": TEACHER_STEPS} for w in (0.3, 1.0)}
+        # A teacher of 3x the steps (closer to the optimum, 3x its cost), and the taught decoder at the curve
+        # family's x4 budget (more passes over the same teacher maps; compare with "curve x4").
+        rows[f"teacher 1.0, {3 * TEACHER_STEPS} steps"] = {"teacher_weight": 1.0, "_teacher_steps": 3 * TEACHER_STEPS}
+        rows["teacher 1.0, curve x4"] = {**rows["teacher 1.0"], "_val": True, "_steps_factor": 4, "patience": 10**6}
+        return rows
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 
