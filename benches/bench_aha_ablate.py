@@ -60,7 +60,9 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
 - ``teacher``: the teacher-student phase (``AHAConfig.teacher_weight`` 0.3 and 1.0): the default AHA's per-image
   optimum (``TEACHER_STEPS`` Adam steps from its one-pass maps) over the training set, computed once into the cache
   (:mod:`attr_engine.aha.teacher`), taught beside the soft-AUC loss to a decoder trained from scratch. The teacher's
-  time is printed; it is paid once per classifier, not per map.
+  time is printed; it is paid once per classifier, not per map. A run with a taught row also scores the teacher
+  itself on the test images (``teacher s=N``: the same optimum, computed there) and notes each AHA row's ranking
+  loss against the teacher on training and on test images (what the student fits, and whether it carries over).
 - ``head``: the classifier head's score of the target at each position of its deepest matching tap as one more
   decoder input (``AHAConfig.head_input``: the class activation map of a pooled linear head), a decoder input
   that costs no backward pass (issue #40 item 4).
@@ -100,7 +102,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.config import grid_rule
-from attr_engine.aha.teacher import TeacherMaps, compute_teacher_maps
+from attr_engine.aha.teacher import TeacherMaps, compute_teacher_maps, teacher_ranking_loss
 from attr_engine.aha.trainer import History
 from attr_engine.data import PhotoCropsDataset, ShapesDataset
 from attr_engine.evaluate import Leaderboard, evaluate
@@ -285,6 +287,48 @@ def optimum_rows(aha: AHA, x: torch.Tensor, steps: list[int], lr: float, seed: i
             chunks[s].append(out[s].cpu())
         log(f"optimum: {min(i + 10, len(x))}/{len(x)} images ({time.perf_counter() - start:.0f} s)")
     return {f"optimum s={s}": _Precomputed(x, torch.cat(chunks[s])) for s in steps}
+
+
+def teacher_fit(rows: dict[str, AHA], train: tuple, test: tuple, grids: tuple[int, int]) -> list[str]:
+    """Each row's mean :func:`teacher_ranking_loss` against the teacher's maps, on training and on test images.
+
+    ``train`` / ``test``: ``(x (N, 3, H, W), target (N,), teacher maps (N, H, W))``; the loss is averaged over the
+    two ends of the training's ``grids`` (no offset). Low on training and high on test: the student memorises the
+    teacher; high on both: it cannot fit it.
+    """
+    notes = []
+    for name, aha in rows.items():
+        losses = []
+        for x, target, teacher in (train, test):
+            with torch.no_grad():
+                maps = torch.cat([aha(xc, tc) for xc, tc in zip(x.split(32), target.split(32), strict=True)])
+            losses.append(statistics.mean(teacher_ranking_loss(maps, teacher, g).mean().item() for g in grids))
+        notes.append(f"{name}: ranking loss against the teacher {losses[0]:.3f} on {len(train[0])} training images, "
+                     f"{losses[1]:.3f} on {len(test[0])} test images")  # fmt: skip
+    return notes
+
+
+def teacher_rows(args, aha: AHA, teachers: dict[int, TeacherMaps], rows: dict[str, AHA], train_set, test_set, log):
+    """The teacher itself on the test images (``{"teacher s=N": maps}``, N the taught rows' teacher steps) and the
+    notes of :func:`teacher_fit` (the first 200 training and test images)."""
+    x, _ = test_set.tensors()[:2]
+    optimum: dict[str, _Precomputed] = {}
+    notes = []
+    for steps, maps in teachers.items():
+        start = time.perf_counter()
+        optimum |= {f"teacher s={steps}": optimum_rows(aha, x, [steps], 0.05, args.seed, log)[f"optimum s={steps}"]}
+        seconds = time.perf_counter() - start
+        notes.append(f"teacher s={steps}: the teacher's optimum computed on the {len(x)} test images ({seconds:.0f} s; "
+                     "its ms/image column is a table look-up)")  # fmt: skip
+        n = min(200, len(x), len(maps))
+        xs = torch.stack([train_set[i][0] for i in range(n)])
+        teacher, target = maps.batch(range(n), "cpu")
+        test_maps = torch.stack([optimum[f"teacher s={steps}"].maps[_key(img)] for img in x[:n]])
+        with torch.no_grad():
+            test_target = aha.classifier(x[:n]).argmax(dim=1)
+        grids = aha.config.grid_range or grid_rule(*x.shape[-2:])
+        notes += teacher_fit(rows, (xs, target, teacher), (x[:n], test_target, test_maps), grids)
+    return optimum, notes
 
 
 def validation_set(data: str, img: int, seed: int):
@@ -485,6 +529,8 @@ def run(args: argparse.Namespace) -> Leaderboard:
                                    args.img, args.seed)  # fmt: skip
     methods: dict[str, Explainer] = {"default": get_explainer("aha", classifier, aha=aha)}
     notes = [f"default: the leaderboard's AHA, {budget.aha_steps} steps of 8, taps {aha.backbone.indices}"]
+    trained: dict[str, AHA] = {"default": aha}
+    teachers: dict[int, TeacherMaps] = {}
     rows = [row for family in args.family for row in variants(family, args.kind, args.img, levels).items()]
     if unknown := [name for name in args.only if name not in dict(rows)]:
         raise SystemExit(f"--only names no row of {args.family}: {unknown}; the rows: {sorted(dict(rows))}")
@@ -499,6 +545,8 @@ def run(args: argparse.Namespace) -> Leaderboard:
         # Each trained variant is kept beside the leaderboard's cache entry, so a later run (another family,
         # or one stopped half-way) reuses it.
         folder = variant_folder(args, budget, name)
+        if teacher_steps and teacher_steps not in teachers:  # computed once into the cache, before the row's clock
+            teachers[teacher_steps] = teacher_maps(args, budget, aha, train_set, teacher_steps)
         start = time.perf_counter()
         history: dict = {}
         if folder is not None and folder.is_dir():
@@ -508,7 +556,7 @@ def run(args: argparse.Namespace) -> Leaderboard:
             print(f"[{args.kind}] {name}: loaded from {folder}", flush=True)
         else:
             variant = AHA(classifier, config)
-            teacher = teacher_maps(args, budget, aha, train_set, teacher_steps) if teacher_steps else None
+            teacher = teachers[teacher_steps] if teacher_steps else None
             fitted = variant.fit(train_set, batch_size=TRAIN_BATCH, epochs=100, max_steps=steps, progress=False,
                                  val=val, teacher=teacher)  # fmt: skip
             history = {**{k: v for k, v in fitted.items() if "val" in k}, "flat": flat_record(fitted),
@@ -519,6 +567,7 @@ def run(args: argparse.Namespace) -> Leaderboard:
         seconds = time.perf_counter() - start
         print(f"[{args.kind}] {name}: {variant.steps_trained} steps in {seconds:.0f} s", flush=True)
         methods[name] = get_explainer("aha", classifier, aha=variant)
+        trained[name] = variant
         notes.append(f"{name}: {overrides or ''} {steps} steps ({seconds:.0f} s)".replace("  ", " "))
         if history.get("val_step"):
             notes.append(stopping_note(name, history, variant.steps_trained, steps))
@@ -529,6 +578,11 @@ def run(args: argparse.Namespace) -> Leaderboard:
             notes.append(flat_note(name, history["flat"]) if "flat" in history else f"{name}: no step record kept")
     if "curve" in args.family:
         notes.append(training_step_flops(classifier, base, train_set))
+    if teachers:
+        log = lambda line: print(f"[{args.kind}] {line}", flush=True)
+        optimum, fit = teacher_rows(args, aha, teachers, trained, train_set, test_set, log)
+        methods |= optimum
+        notes += fit
     options = {"integrated-gradients": {"n_steps": budget.ig_steps}}
     for name in PEERS:
         methods[name] = get_explainer(name, classifier, **options.get(name, {}))
