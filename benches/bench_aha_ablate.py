@@ -57,13 +57,13 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
 - ``stride``: the decoder at 1/4 and 1/8 of the input side (``AHAConfig.decoder_stride``), its map brought to the
   input's by the guided (joint bilateral) or the bilinear upsampling (``decoder_upsample``): what the cheaper
   decoder costs in faithfulness against the full-resolution ``default``.
-- ``teacher``: the teacher-student phase (``AHAConfig.teacher_weight`` 0.3 and 1.0; 1.0 with a 3x longer optimum,
-  and 1.0 at the ``curve`` family's x4 budget): the default AHA's per-image
-  optimum (``TEACHER_STEPS`` Adam steps from its one-pass maps) over the training set, computed once into the cache
-  (:mod:`attr_engine.aha.teacher`), taught beside the soft-AUC loss to a decoder trained from scratch. The teacher's
-  time is printed; it is paid once per classifier, not per map. A run with a taught row also scores the teacher
-  itself on the test images (``teacher s=N``: the same optimum, computed there) and notes each AHA row's ranking
-  loss against the teacher on training and on test images (what the student fits, and whether it carries over).
+- ``teacher``: the teacher-student phase (``AHAConfig.teacher_weight`` 0.3 and 1.0; 1.0 with a 3x longer optimum
+  and 1.0 at the ``curve`` family's x4 budget): the default AHA's per-image optimum (``TEACHER_STEPS`` Adam steps
+  from its one-pass maps) over the training set, computed once into the cache (:mod:`attr_engine.aha.teacher`),
+  taught beside the soft-AUC loss to a decoder trained from scratch. The teacher's time is printed; it is paid
+  once per classifier, not per map. A run with a taught row also scores the teacher itself on the test images
+  (``teacher s=N``: the same optimum, computed there) and notes each AHA row's ranking loss against the teacher on
+  training and on test images (what the student fits, and whether it carries over).
 - ``head``: the classifier head's score of the target at each position of its deepest matching tap as one more
   decoder input (``AHAConfig.head_input``: the class activation map of a pooled linear head), a decoder input
   that costs no backward pass (issue #40 item 4).
