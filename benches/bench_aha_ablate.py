@@ -315,20 +315,19 @@ def teacher_rows(args, aha: AHA, teachers: dict[int, TeacherMaps], rows: dict[st
     x, _ = test_set.tensors()[:2]
     optimum: dict[str, _Precomputed] = {}
     notes = []
+    grids = aha.config.grid_range or grid_rule(*x.shape[-2:])
     for steps, maps in teachers.items():
         start = time.perf_counter()
-        optimum |= {f"teacher s={steps}": optimum_rows(aha, x, [steps], 0.05, args.seed, log)[f"optimum s={steps}"]}
+        row = optimum[f"teacher s={steps}"] = optimum_rows(aha, x, [steps], 0.05, args.seed, log)[f"optimum s={steps}"]
         seconds = time.perf_counter() - start
         notes.append(f"teacher s={steps}: the teacher's optimum computed on the {len(x)} test images ({seconds:.0f} s; "
                      "its ms/image column is a table look-up)")  # fmt: skip
         n = min(200, len(x), len(maps))
         xs = torch.stack([train_set[i][0] for i in range(n)])
         teacher, target = maps.batch(range(n), "cpu")
-        test_maps = torch.stack([optimum[f"teacher s={steps}"].maps[_key(img)] for img in x[:n]])
         with torch.no_grad():
             test_target = aha.classifier(x[:n]).argmax(dim=1)
-        grids = aha.config.grid_range or grid_rule(*x.shape[-2:])
-        notes += teacher_fit(rows, (xs, target, teacher), (x[:n], test_target, test_maps), grids)
+        notes += teacher_fit(rows, (xs, target, teacher), (x[:n], test_target, row(x[:n], test_target)), grids)
     return optimum, notes
 
 
@@ -579,8 +578,8 @@ def run(args: argparse.Namespace) -> Leaderboard:
             notes.append(flat_note(name, history["flat"]) if "flat" in history else f"{name}: no step record kept")
     if "curve" in args.family:
         notes.append(training_step_flops(classifier, base, train_set))
+    log = lambda line: print(f"[{args.kind}] {line}", flush=True)
     if teachers:
-        log = lambda line: print(f"[{args.kind}] {line}", flush=True)
         optimum, fit = teacher_rows(args, aha, teachers, trained, train_set, test_set, log)
         methods |= optimum
         notes += fit
@@ -601,7 +600,7 @@ def run(args: argparse.Namespace) -> Leaderboard:
         seed=args.seed,
         title=f"{args.kind} on {args.data} ({acc:.0%} accuracy), {len(test_set)} images at {args.img} px: ablations"
         f" (scored against the {args.score_reference} reference)",
-        log=lambda line: print(f"[{args.kind}] {line}", flush=True),
+        log=log,
         extra_rankings=True,
     )
     board.notes.extend(notes)
