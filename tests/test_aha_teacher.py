@@ -1,11 +1,11 @@
 """AHA's teacher: the per-image optimum computed once in resumable, shardable parts, and the ranking loss that
-teaches the decoder (``AHAConfig.teacher_weight``, ``fit(..., teacher=)``).
+teaches the decoder (``AHAConfig.teacher_weight`` and ``teacher_loss``, ``fit(..., teacher=)``).
 
 What a bug would break: a part holding another chunk's maps or seed, a resumed computation redoing finished parts, a
 sharded computation differing from a single process's, a folder with a rank missing (or parts of other settings)
-loading as complete, the loss not being zero on equal rankings or caring about the map's scale, training not moving
-the decoder's ranking toward the teacher, fit taking a teacher it ignores, a checkpoint losing the weight, or a
-resumed taught run ending elsewhere than an uninterrupted one.
+loading as complete, a loss not being zero on equal rankings or caring about the map's scale, training (with either
+loss) not moving the decoder's maps toward the teacher, fit taking a teacher it ignores, a checkpoint losing the
+weight or the loss, or a resumed taught run ending elsewhere than an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from attr_engine.aha import AHA, AHAConfig
-from attr_engine.aha.teacher import TEACHER_PART, TeacherMaps, compute_teacher_maps, teacher_ranking_loss
+from attr_engine.aha.teacher import (
+    TEACHER_PART,
+    TeacherMaps,
+    compute_teacher_maps,
+    teacher_loss,
+    teacher_pixel_loss,
+    teacher_ranking_loss,
+)
 from tests.aha_helpers import FAST, colour_classifier, colour_images
 
 # The AHA tests' smallest config with one target, and a learning rate that moves a decoder in a few steps.
@@ -137,29 +144,54 @@ def test_the_ranking_loss_is_zero_on_equal_rankings_blind_to_scale_and_pulls_tow
         teacher_ranking_loss(teacher, teacher[:, :8], grid=4)
 
 
+def test_the_pixel_loss_is_zero_on_equal_maps_blind_to_scale_four_when_reversed_and_pulls_toward_the_teacher():
+    gen = torch.Generator().manual_seed(0)
+    teacher = torch.rand(3, 16, 16, generator=gen)
+    torch.testing.assert_close(teacher_pixel_loss(5.0 * teacher - 2.0, teacher), torch.zeros(3), atol=1e-5, rtol=0)
+    torch.testing.assert_close(teacher_pixel_loss(-teacher, teacher), torch.full((3,), 4.0), atol=1e-4, rtol=0)
+    # A change finer than every region, which the pooled ranking cannot see and the pixel loss does.
+    checker = (torch.arange(16)[:, None] + torch.arange(16)[None]) % 2 * 0.2
+    fine = teacher + checker
+    assert teacher_pixel_loss(teacher, fine).min() > 0.05
+    torch.testing.assert_close(teacher_ranking_loss(teacher, fine, grid=4), torch.zeros(3), atol=1e-5, rtol=0)
+    student = torch.rand(3, 16, 16, generator=gen, requires_grad=True)
+    before = teacher_loss(student, teacher, "pixel", grid=4)
+    before.sum().backward()
+    with torch.no_grad():
+        after = teacher_pixel_loss(student - 0.5 * student.grad, teacher)
+    assert (after < before.detach()).all()
+    with pytest.raises(ValueError, match="both be"):
+        teacher_pixel_loss(teacher, teacher[:, :8])
+    with pytest.raises(ValueError, match=r"teacher's loss must be one of \('listnet', 'pixel'\), got 'mse'"):
+        teacher_loss(teacher, teacher, "mse", grid=4)
+    with pytest.raises(ValueError, match=r"teacher_loss must be one of \('listnet', 'pixel'\), got 'mse'"):
+        AHAConfig(teacher_loss="mse")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Training with a teacher
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _ranking_loss(aha: AHA, data: _Items, teacher: TeacherMaps) -> float:
+def _teacher_loss(aha: AHA, data: _Items, teacher: TeacherMaps, kind: str = "listnet") -> float:
     with torch.no_grad():
         maps = aha.attribute(data.x, teacher.targets)
-    losses = [teacher_ranking_loss(maps, teacher.maps.float(), grid) for grid in (2, 4, 6)]
+    losses = [teacher_loss(maps, teacher.maps.float(), kind, grid) for grid in (2, 4, 6)]
     return float(torch.stack(losses).mean())
 
 
-def test_the_teacher_phase_lowers_the_ranking_loss_against_the_teacher():
+@pytest.mark.parametrize("kind", ["listnet", "pixel"])
+def test_the_teacher_phase_lowers_its_loss_against_the_teacher(kind):
     data = _Items(8)
     teacher = _blue_teacher(data)
-    taught = AHA(colour_classifier(), AHAConfig(**CHEAP, teacher_weight=1.0))
+    taught = AHA(colour_classifier(), AHAConfig(**CHEAP, teacher_weight=1.0, teacher_loss=kind))
     alone = AHA(colour_classifier(), AHAConfig(**CHEAP))
     alone.decoder.load_state_dict(taught.decoder.state_dict())
-    start = _ranking_loss(taught, data, teacher)
+    start = _teacher_loss(taught, data, teacher, kind)
     history = taught.fit(data, batch_size=4, epochs=20, max_steps=24, progress=False, teacher=teacher)
     alone.fit(data, batch_size=4, epochs=20, max_steps=24, progress=False)
     assert all(v == v for v in history["teacher"])  # recorded every step (not NaN)
-    taught_loss, alone_loss = _ranking_loss(taught, data, teacher), _ranking_loss(alone, data, teacher)
+    taught_loss, alone_loss = _teacher_loss(taught, data, teacher, kind), _teacher_loss(alone, data, teacher, kind)
     assert taught_loss < 0.7 * start and taught_loss < 0.7 * alone_loss, (start, taught_loss, alone_loss)
 
 
@@ -184,7 +216,7 @@ def test_fit_refuses_a_missing_unwanted_or_mismatched_teacher():
 
 
 def test_a_taught_run_keeps_its_weight_in_the_checkpoint_and_resumes_exactly(tmp_path):
-    config = AHAConfig(**CHEAP, teacher_weight=0.5)
+    config = AHAConfig(**CHEAP, teacher_weight=0.5, teacher_loss="pixel")
     teacher = _blue_teacher(_Items(8))
     whole = AHA(colour_classifier(), config)
     whole.fit(_Items(8), batch_size=4, epochs=2, progress=False, teacher=teacher)  # 2 steps an epoch, 4 in all
@@ -193,7 +225,8 @@ def test_a_taught_run_keeps_its_weight_in_the_checkpoint_and_resumes_exactly(tmp
     with pytest.raises(KeyboardInterrupt):  # during step 4: the checkpoint after step 2 is the last
         crashed.fit(_Items(8, fail_after=13), batch_size=4, epochs=2, progress=False, checkpoint_dir=tmp_path,
                     checkpoint_every=2, teacher=teacher)  # fmt: skip
-    assert AHA.load(tmp_path, colour_classifier()).config.teacher_weight == 0.5
+    saved = AHA.load(tmp_path, colour_classifier()).config
+    assert (saved.teacher_weight, saved.teacher_loss) == (0.5, "pixel")
     resumed = AHA(colour_classifier(), config)
     history = resumed.fit(_Items(8), batch_size=4, epochs=2, progress=False, resume=tmp_path, teacher=teacher)
     assert [record.step for record in history.steps] == [2, 3]
@@ -219,7 +252,7 @@ def test_train_aha_with_a_teacher_computes_it_once_learns_from_it_and_resumes(tm
             "--teacher", str(teacher), "--teacher-steps", "2"]  # fmt: skip
     assert main([*base, "--max-steps", "1"]) == 0
     printed = capsys.readouterr().out
-    assert f"teacher: the optimum of 10 training images in {teacher}" in printed and "teacher ranking loss" in printed
+    assert f"teacher: the optimum of 10 training images in {teacher}" in printed and "teacher loss (listnet)" in printed
     parts = sorted(teacher.glob("teacher-*.safetensors"))
     assert [p.name for p in parts] == [TEACHER_PART.format(start=0, stop=10)]  # one chunk of 16 holds all 10
     summary = json.loads((out / "train.json").read_text())
@@ -233,6 +266,10 @@ def test_train_aha_with_a_teacher_computes_it_once_learns_from_it_and_resumes(tm
     assert main([*base, "--max-steps", "2", "--resume"]) == 0
     assert parts[0].stat().st_mtime_ns == stamp
     assert json.loads((out / "config.json").read_text())["steps_trained"] == 2
+    # The loss's flag reaches the config (the same teacher maps serve either loss).
+    assert main([*base, "--overwrite", "--max-steps", "1", "--teacher-loss", "pixel"]) == 0
+    assert "teacher loss (pixel)" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["config"]["teacher_loss"] == "pixel"
 
     # The teacher's flags are checked before any work, in one line each.
     for extra, message in (
@@ -246,6 +283,8 @@ def test_train_aha_with_a_teacher_computes_it_once_learns_from_it_and_resumes(tm
     for weight in ("2", "0"):  # any value: the flag itself needs --teacher
         assert main([*no_teacher, "--overwrite", "--teacher-weight", weight]) == 2
         assert "--teacher-weight needs --teacher" in capsys.readouterr().err
+    assert main([*no_teacher, "--overwrite", "--teacher-loss", "pixel"]) == 2
+    assert "--teacher-loss needs --teacher" in capsys.readouterr().err
     assert main([*no_teacher, "--overwrite", "--teacher-actors", "0"]) == 2
     assert "--teacher-actors needs --teacher" in capsys.readouterr().err
     assert main([*no_teacher, "--overwrite", "--teacher-engine", "ray"]) == 2

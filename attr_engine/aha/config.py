@@ -28,6 +28,8 @@ SCORE_NORMS = ("raw", "zscore")
 REFERENCE_DRAWS = ("step", "image", "signal")
 # What test-time refinement steps (AHA._refine): the map itself, or per-image copies of the decoder's last layers.
 REFINE_MODES = ("map", "decoder")
+# How the teacher is taught (AHAConfig.teacher_loss; attr_engine.aha.teacher.teacher_loss).
+TEACHER_LOSSES = ("listnet", "pixel")
 
 # The official grid range at 224 px is 7..28 cells; the rule below reproduces it there and keeps cells of at least
 # MIN_CELL_PX pixels and at least MIN_GRID cells per side (where the image allows) at every other size.
@@ -123,9 +125,13 @@ class AHAConfig:
         score_norm: what enters the sorter: "zscore" (per-image standardised) or "raw" (as pooled). [measured]
         anchor_span: span of the rank anchors the z-scores are matched against (4.0). [project]
         targets: "pred+label" (the prediction and the label or runner-up) or "pred". [project]
-        teacher_weight: weight of the teacher's ranking loss (:func:`attr_engine.aha.teacher.teacher_ranking_loss`
-            on the predicted class's maps against each training image's per-image optimum) beside the soft-AUC loss;
-            0 = no teacher, and ``fit`` then takes none (0.0). [project]
+        teacher_weight: weight of the teacher's loss (``teacher_loss``) on the predicted class's maps against
+            each training image's per-image optimum, beside the soft-AUC loss; 0 = no teacher, and ``fit`` then
+            takes none (0.0). [project]
+        teacher_loss: what the teacher's loss compares (:func:`attr_engine.aha.teacher.teacher_loss`): "listnet"
+            (the step's region scores, ListNet's top-one KL divergence) or "pixel" (the z-scored maps pixel by
+            pixel, mean squared difference: the optimum's lead over the one-pass map is a small change finer
+            than the coarse grids' cells) ("listnet"). [project]
         lr: AdamW learning rate (3e-4). [official]
         weight_decay: AdamW weight decay (1e-3). [official]
         warmup: fraction of the steps spent in linear warm-up before cosine decay (0.06). [official]
@@ -180,6 +186,7 @@ class AHAConfig:
     anchor_span: float = 4.0
     targets: str = "pred+label"
     teacher_weight: float = 0.0
+    teacher_loss: str = "listnet"
 
     lr: float = 3e-4
     weight_decay: float = 1e-3
@@ -248,6 +255,8 @@ class AHAConfig:
                 if len(pair) != 2 or not 1 <= pair[0] <= pair[1]:
                     raise ValueError(f"{name} must be (min, max) with 1 <= min <= max, got {value!r}")
                 put(name, pair)
+        if self.teacher_loss not in TEACHER_LOSSES:
+            raise ValueError(f"teacher_loss must be one of {TEACHER_LOSSES}, got {self.teacher_loss!r}")
         if self.refine_mode not in REFINE_MODES:
             raise ValueError(f"refine_mode must be one of {REFINE_MODES}, got {self.refine_mode!r}")
         for name in ("tau_start", "tau_end", "lr", "refine_lr", "refine_map_lr"):

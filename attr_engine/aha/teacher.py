@@ -14,7 +14,8 @@ per-example target, as in FastSHAP or Covert et al.'s stochastic amortization) i
 2. :meth:`TeacherMaps.load` reads the parts back for a dataset of ``count`` items: every index covered once, every
    part of the same settings and size.
 3. ``fit(..., teacher=maps)`` with ``AHAConfig.teacher_weight`` > 0 adds ``teacher_weight`` x
-   :func:`teacher_ranking_loss` on the predicted class's maps to each step's soft-AUC loss.
+   :func:`teacher_loss` on the predicted class's maps to each step's soft-AUC loss: the region scores' ranking
+   (:func:`teacher_ranking_loss`) or the maps pixel by pixel (:func:`teacher_pixel_loss`).
 
 The stored maps are the optimum's standardised maps in float16 ((N, H, W), 2 bytes a pixel): only their order
 within an image is used, and float16 keeps three significant digits of a z-score.
@@ -36,7 +37,7 @@ from tqdm.auto import tqdm
 
 import attr_engine_kernels as kernels
 from attr_engine._training import collate_images_labels
-from attr_engine.aha.config import AHAConfig
+from attr_engine.aha.config import TEACHER_LOSSES, AHAConfig
 from attr_engine.aha.loss import standardise
 from attr_engine.checkpoint import load_safetensors, save_safetensors
 from attr_engine.classifier import Classifier
@@ -48,6 +49,8 @@ __all__ = [
     "compute_teacher_maps",
     "compute_teacher_part",
     "teacher_chunks",
+    "teacher_loss",
+    "teacher_pixel_loss",
     "teacher_ranking_loss",
 ]
 
@@ -252,3 +255,35 @@ def teacher_ranking_loss(
     target = standardise(kernels.region_pool(teacher.float(), grid, offset).flatten(1), dim=1)
     log_p = F.log_softmax(target, dim=1)
     return (log_p.exp() * (log_p - F.log_softmax(student, dim=1))).sum(dim=1)
+
+
+def teacher_pixel_loss(maps: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Mean squared difference of the maps and the teacher's, each z-scored over its pixels: (B, H, W) each -> (B,).
+
+    The teacher is the one-pass map plus a small change (a fraction of a standard deviation per pixel) at scales
+    finer than the coarse grids' cells, and that change carries its lead (benches/README.md, "Where the teacher's
+    lead lives"); the ranking of two such maps' region scores barely differs, their pixels do. Standardising both
+    sides makes it blind to the map's scale and shift, as the ranking is: 0 for maps equal up to those, 4 for a
+    reversed map.
+    """
+    if maps.shape != teacher.shape or maps.ndim != 3:
+        raise ValueError(f"maps and teacher must both be (B, H, W), got {tuple(maps.shape)} and {tuple(teacher.shape)}")
+    student = standardise(maps.float().flatten(1), dim=1)
+    target = standardise(teacher.float().flatten(1), dim=1)
+    return (student - target).square().mean(dim=1)
+
+
+def teacher_loss(
+    maps: torch.Tensor,
+    teacher: torch.Tensor,
+    kind: str,
+    grid: int,
+    offset: tuple[float, float] = (0.0, 0.0),
+) -> torch.Tensor:
+    """The teacher's loss ``kind`` (``AHAConfig.teacher_loss``): "listnet" (:func:`teacher_ranking_loss` over the
+    step's ``grid`` and ``offset``) or "pixel" (:func:`teacher_pixel_loss`, which takes no grid); (B,)."""
+    if kind == "listnet":
+        return teacher_ranking_loss(maps, teacher, grid, offset)
+    if kind == "pixel":
+        return teacher_pixel_loss(maps, teacher)
+    raise ValueError(f"the teacher's loss must be one of {TEACHER_LOSSES}, got {kind!r}")

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from attr_engine._training import collate_images_labels, warmup_cosine
 from attr_engine.aha.loss import FLAT_SPREAD, curve_spread, flat_curves, soft_auc_loss
 from attr_engine.aha.persistence import Checkpointable, latest_training_checkpoint, save_training_checkpoint
-from attr_engine.aha.teacher import TeacherMaps, teacher_ranking_loss
+from attr_engine.aha.teacher import TeacherMaps, teacher_loss
 from attr_engine.aha.validation import EarlyStopping, Scored, ValData, check_val_data, score_validation
 from attr_engine.distributed import init_process_group
 from attr_engine.guards import check_count
@@ -61,7 +61,7 @@ class Trainee(Checkpointable, Scored, Protocol):
 VAL_EPOCHS_CAP = 10
 # The per-step lists of fit's history: the batch's mean loss and soft AUCs, the temperature and learning rate, the
 # grid side, the share of flat curve pairs (StepRecord.flat_share), the decoder's gradient norm before clipping and
-# the teacher's ranking loss (unweighted, NaN without a teacher).
+# the teacher's loss (AHAConfig.teacher_loss, unweighted; NaN without a teacher).
 STEP_KEYS = ("loss", "deletion", "insertion", "tau", "lr", "grid", "flat_share", "grad_norm", "teacher")
 
 
@@ -376,7 +376,7 @@ def _train_step(
     teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """One forward/backward of the soft-AUC objective (plus, with ``teacher``: the batch's teacher maps (B, H, W)
-    and their classes (B,), ``config.teacher_weight`` x the ranking loss); returns batch means for the history and
+    and their classes (B,), ``config.teacher_weight`` x the teacher's loss); returns batch means for the history and
     the :class:`StepRecord` fields the step knows (all but ``step``, ``images`` and ``grad_norm``)."""
     cfg = aha.config
     classifier = aha.classifier
@@ -423,15 +423,15 @@ def _train_step(
         noise=cfg.noise, generator=sorter_seed, endpoints=endpoints, drop_flat=cfg.reference_draw == "signal",
         **cfg.loss_kwargs(),
     )  # fmt: skip
-    loss, ranking = result.loss, _teacher_term(maps[: len(x)], targets[0], teacher, grid, offset)
-    if ranking is not None:
-        loss = loss + cfg.teacher_weight * ranking
+    loss, taught = result.loss, _teacher_term(maps[: len(x)], targets[0], teacher, cfg.teacher_loss, grid, offset)
+    if taught is not None:
+        loss = loss + cfg.teacher_weight * taught
     loss.backward()
     stats = {
         "loss": loss.item(),
         "deletion": result.deletion.mean().item(),
         "insertion": result.insertion.mean().item(),
-        "teacher": float("nan") if ranking is None else ranking.item(),
+        "teacher": float("nan") if taught is None else taught.item(),
     }
     deletion, insertion = result.deletion_curve.detach(), result.insertion_curve.detach()
     record = {
@@ -449,12 +449,13 @@ def _teacher_term(
     maps: torch.Tensor,
     predicted: torch.Tensor,
     teacher: tuple[torch.Tensor, torch.Tensor] | None,
+    kind: str,
     grid: int,
     offset: tuple[float, float],
 ) -> torch.Tensor | None:
-    """The mean ranking loss of the predicted class's maps (B, H, W) against the teacher's, over the images whose
-    teacher explains that class (a teacher made with another classifier, or augmented images, may not); None
-    without a teacher."""
+    """The mean teacher's loss ``kind`` (``AHAConfig.teacher_loss``) of the predicted class's maps (B, H, W)
+    against the teacher's, over the images whose teacher explains that class (a teacher made with another
+    classifier, or augmented images, may not); None without a teacher."""
     if teacher is None:
         return None
     teacher_maps, teacher_targets = teacher
@@ -462,7 +463,7 @@ def _teacher_term(
         raise ValueError(f"the teacher's maps are {tuple(teacher_maps.shape[1:])}, the training images "
                          f"{tuple(maps.shape[1:])}: compute them on the images fit is given")  # fmt: skip
     same = (teacher_targets == predicted).to(maps.dtype)
-    per_image = teacher_ranking_loss(maps, teacher_maps, grid, offset)
+    per_image = teacher_loss(maps, teacher_maps, kind, grid, offset)
     return (per_image * same).sum() / same.sum().clamp_min(1.0)
 
 

@@ -119,8 +119,11 @@ def _add_teacher_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--teacher", metavar="DIR", help="the teacher maps' folder: parts missing there are computed "
                        "first (a killed run keeps the finished ones), then training learns from them")  # fmt: skip
     group.add_argument("--teacher-weight", type=float, default=None, metavar="W",
-                       help="weight of the teacher's ranking loss beside the soft AUCs (AHAConfig.teacher_weight; "
+                       help="weight of the teacher's loss beside the soft AUCs (AHAConfig.teacher_weight; "
                        "default 1.0 with --teacher)")  # fmt: skip
+    group.add_argument("--teacher-loss", choices=("listnet", "pixel"), default=None,
+                       help="what the teacher's loss compares (AHAConfig.teacher_loss): listnet (the region scores' "
+                       "ranking, the default) or pixel (the z-scored maps pixel by pixel)")  # fmt: skip
     group.add_argument("--teacher-steps", type=int, default=30, help="optimum steps per image (default 30)")
     group.add_argument("--teacher-lr", type=float, default=0.05, help="the optimum's Adam step size (default 0.05)")
     group.add_argument("--teacher-engine", choices=("local", "ray"), default="local",
@@ -307,7 +310,7 @@ def aha_config_from_args(args: argparse.Namespace) -> Any:
 
     fields: dict[str, Any] = dict(getattr(args, "aha_section", None) or {})
     fields.update(parse_key_values(args.aha_option, "--aha-option"))
-    for flag in ("seed", "lr", "n_fractions", "targets", "val_every", "patience", "teacher_weight"):
+    for flag in ("seed", "lr", "n_fractions", "targets", "val_every", "patience", "teacher_weight", "teacher_loss"):
         if getattr(args, flag, None) is not None:
             fields[flag] = getattr(args, flag)
     if getattr(args, "teacher", None) and "teacher_weight" not in fields:
@@ -336,7 +339,8 @@ def _check_teacher_args(args: argparse.Namespace) -> None:
     ray_flags = {"--teacher-actors": args.teacher_actors, "--teacher-gpus-per-actor": args.teacher_gpus_per_actor,
                  "--address": args.address}  # fmt: skip
     if args.teacher is None:
-        given = [f for f, value in {"--teacher-weight": args.teacher_weight, **ray_flags}.items() if value is not None]
+        teacher_flags = {"--teacher-weight": args.teacher_weight, "--teacher-loss": args.teacher_loss}
+        given = [f for f, value in {**teacher_flags, **ray_flags}.items() if value is not None]
         if given or args.teacher_engine != "local":
             raise UsageError(f"{(given or ['--teacher-engine'])[0]} needs --teacher (the folder of the teacher maps)")
         return
@@ -479,8 +483,9 @@ def _report_aha(
         trend = f"; last steps: soft deletion {dele:.3f}, soft insertion {ins:.3f}"
     world_note = f" on {world} processes" if world > 1 else ""
     if teacher is not None:
-        ranking = [v for v in history["teacher"][-tail:] if v == v]  # NaN: no image of the step had its class
-        trend += f", teacher ranking loss {sum(ranking) / len(ranking):.3f}" if ranking else ""
+        taught = [v for v in history["teacher"][-tail:] if v == v]  # NaN: no image of the step had its class
+        kind = aha.config.teacher_loss
+        trend += f", teacher loss ({kind}) {sum(taught) / len(taught):.3f}" if taught else ""
         print(f"teacher: the optimum of {len(teacher)} training images in {args.teacher} ({teacher_seconds:.0f} s)")
     print(
         f"AHA: {steps} step(s) this run, {aha.steps_trained} in total{world_note}, "
