@@ -6,6 +6,7 @@
     python -u -m benches.bench_aha_ablate --gap 50 --data photos --kind resnet --cache reports/cache  # issue #31
     python -u -m benches.bench_aha_ablate --data shapes --kind resnet --family flat --cache reports/cache
     python -u -m benches.bench_aha_ablate --data photos --kind vit --family stride --cache reports/cache
+    python -u -m benches.bench_aha_ablate --data photos --kind vit --teacher-detail 200 --cache reports/cache
 
 The classifier and the default AHA explainer are the leaderboard's (:func:`benches.bench_leaderboard.train`, same
 budget, seed and ``--cache`` key), so the ``default`` row of a table is the leaderboard's AHA (T=0). Every other row
@@ -58,12 +59,14 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
   input's by the guided (joint bilateral) or the bilinear upsampling (``decoder_upsample``): what the cheaper
   decoder costs in faithfulness against the full-resolution ``default``.
 - ``teacher``: the teacher-student phase (``AHAConfig.teacher_weight`` 0.3 and 1.0; 1.0 with a 3x longer optimum
-  and 1.0 at the ``curve`` family's x4 budget): the default AHA's per-image optimum (``TEACHER_STEPS`` Adam steps
-  from its one-pass maps) over the training set, computed once into the cache (:mod:`attr_engine.aha.teacher`),
-  taught beside the soft-AUC loss to a decoder trained from scratch. The teacher's time is printed; it is paid
-  once per classifier, not per map. A run with a taught row also scores the teacher itself on the test images
-  (``teacher s=N``: the same optimum, computed there) and notes each AHA row's ranking loss against the teacher on
-  training and on test images (what the student fits, and whether it carries over).
+  and 1.0 at the ``curve`` family's x4 budget; the pixel loss, ``teacher_loss="pixel"``, at 1 and 10, and at 10
+  on the first ``TEACHER_FIT_IMAGES`` training images alone: can the decoder fit the teacher at all): the default
+  AHA's per-image optimum (``TEACHER_STEPS`` Adam steps from its one-pass maps) over the training set, computed
+  once into the cache (:mod:`attr_engine.aha.teacher`), taught beside the soft-AUC loss to a decoder trained from
+  scratch. The teacher's time is printed; it is paid once per classifier, not per map. A run with a taught row
+  also scores the teacher itself on the test images (``teacher s=N``: the same optimum, computed there) and notes
+  each AHA row's ranking and pixel loss against the teacher on training and on test images (what the student
+  fits, and whether it carries over).
 - ``head``: the classifier head's score of the target at each position of its deepest matching tap as one more
   decoder input (``AHAConfig.head_input``: the class activation map of a pooled linear head), a decoder input
   that costs no backward pass (issue #40 item 4).
@@ -78,6 +81,10 @@ the per-image optimum of AHA's own objective (:meth:`AHA.optimise_maps`: a free 
 T=0, scored after each of ``--gap-steps`` Adam steps, rate ``--gap-lr``) and the peers, all on the same N images.
 optimum - T=0 is the amortization gap; best peer - optimum the objective gap (printed in the notes).
 ``--gap-variant NAME`` runs the same split with a family's cached variant (e.g. ``"pullback input"``) as AHA.
+``--teacher-detail N`` replaces the families with where the teacher's lead lives on the first N test images: the
+teacher's and the default's maps with their coarse (cell means) and fine parts swapped, blurred, half-way, and the
+change alone (:func:`teacher_detail`), and how well inputs a decoder has or could be given correlate with that
+change (:func:`sensitivity_notes`).
 ``--only ROW`` (repeatable) trains and scores only the named rows of the families (e.g. ``"pullback input,
 ascent, skip"``).
 
@@ -103,11 +110,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.config import grid_rule
-from attr_engine.aha.teacher import TeacherMaps, compute_teacher_maps, teacher_ranking_loss
+from attr_engine.aha.model import standardise_maps
+from attr_engine.aha.network import classifier_head_weight, head_level
+from attr_engine.aha.teacher import TeacherMaps, compute_teacher_maps, teacher_pixel_loss, teacher_ranking_loss
 from attr_engine.aha.trainer import History
 from attr_engine.data import PhotoCropsDataset, ShapesDataset
 from attr_engine.evaluate import Leaderboard, evaluate
 from attr_engine.explainer import Explainer, get_explainer
+from attr_engine.imageops import gaussian_blur
 from attr_engine.report import leaderboard_markdown, write_markdown
 from benches.bench_leaderboard import FULL, PHOTOS_FULL, PHOTOS_QUICK, QUICK, composite, datasets, train
 
@@ -135,6 +145,8 @@ FAMILIES = (
 )
 # The teacher family's optimum: Adam steps per training image, from the cached default AHA's one-pass maps.
 TEACHER_STEPS = 10
+# The teacher family's fitting row: the training images it alone trains on (400 steps of 8 = 50 passes).
+TEACHER_FIT_IMAGES = 64
 # The budget family's cap, in multiples of the leaderboard's steps, and its held-out validation images.
 BUDGET_CAP = 4
 BUDGET_VAL_IMAGES = 64
@@ -256,6 +268,14 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
         # family's x4 budget (more passes over the same teacher maps; compare with "curve x4").
         rows[f"teacher 1.0, {3 * TEACHER_STEPS} steps"] = {"teacher_weight": 1.0, "_teacher_steps": 3 * TEACHER_STEPS}
         rows["teacher 1.0, curve x4"] = {**rows["teacher 1.0"], "_val": True, "_steps_factor": 4, "patience": 10**6}
+        # The pixel loss (the teacher's lead is a small change finer than the coarse cells: --teacher-detail).
+        pixel = {"teacher_loss": "pixel", "_teacher_steps": TEACHER_STEPS}
+        for w in (1.0, 10.0):
+            rows[f"teacher pixel {w:g}"] = {**pixel, "teacher_weight": w}
+        # Can the decoder fit the teacher at all: the same steps on the first TEACHER_FIT_IMAGES training images
+        # alone (50 passes over them), its losses against the teacher noted on those images.
+        rows[f"teacher pixel 10, {TEACHER_FIT_IMAGES} images"] = {**pixel, "teacher_weight": 10.0,
+                                                                   "_images": TEACHER_FIT_IMAGES}  # fmt: skip
         return rows
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
@@ -268,7 +288,11 @@ class _Precomputed:
         self.maps = {_key(img): m for img, m in zip(x, maps, strict=True)}
 
     def __call__(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return torch.stack([self.maps[_key(img)] for img in x]).to(x.device)
+        return self.maps_of(x).to(x.device)
+
+    def maps_of(self, x: torch.Tensor) -> torch.Tensor:
+        """The stored maps (B, H, W) of the images ``x``, on the CPU."""
+        return torch.stack([self.maps[_key(img)] for img in x])
 
 
 def _key(img: torch.Tensor) -> bytes:
@@ -291,7 +315,8 @@ def optimum_rows(aha: AHA, x: torch.Tensor, steps: list[int], lr: float, seed: i
 
 
 def teacher_fit(rows: dict[str, AHA], train: tuple, test: tuple, grids: tuple[int, int]) -> list[str]:
-    """Each row's mean :func:`teacher_ranking_loss` against the teacher's maps, on training and on test images.
+    """Each row's mean :func:`teacher_ranking_loss` and :func:`teacher_pixel_loss` against the teacher's maps, on
+    training and on test images.
 
     ``train`` / ``test``: ``(x (N, 3, H, W), target (N,), teacher maps (N, H, W))``; the loss is averaged over the
     two ends of the training's ``grids`` (no offset). Low on training and high on test: the student memorises the
@@ -303,15 +328,19 @@ def teacher_fit(rows: dict[str, AHA], train: tuple, test: tuple, grids: tuple[in
         for x, target, teacher in (train, test):
             with torch.no_grad():
                 maps = torch.cat([aha(xc, tc) for xc, tc in zip(x.split(32), target.split(32), strict=True)])
-            losses.append(statistics.mean(teacher_ranking_loss(maps, teacher, g).mean().item() for g in grids))
-        notes.append(f"{name}: ranking loss against the teacher {losses[0]:.3f} on {len(train[0])} training images, "
-                     f"{losses[1]:.3f} on {len(test[0])} test images")  # fmt: skip
+            ranking = statistics.mean(teacher_ranking_loss(maps, teacher, g).mean().item() for g in grids)
+            losses.append(f"{ranking:.3f} / {teacher_pixel_loss(maps, teacher).mean().item():.3f}")
+        notes.append(f"{name}: ranking / pixel loss against the teacher {losses[0]} on {len(train[0])} training "
+                     f"images, {losses[1]} on {len(test[0])} test images")  # fmt: skip
     return notes
 
 
-def teacher_rows(args, aha: AHA, teachers: dict[int, TeacherMaps], rows: dict[str, AHA], train_set, test_set, log):
+def teacher_rows(
+    args, aha: AHA, teachers: dict[int, TeacherMaps], rows: dict[str, AHA], train_set, test_set, log, subsets=None
+):
     """The teacher itself on the test images (``{"teacher s=N": maps}``, N the taught rows' teacher steps) and the
-    notes of :func:`teacher_fit` (the first 200 training and test images)."""
+    notes of :func:`teacher_fit` (the first 200 training and test images; for a row trained on the first N
+    training images alone (``subsets``: {row: N}), it and the default also on those N and N test images)."""
     x, _ = test_set.tensors()[:2]
     optimum: dict[str, _Precomputed] = {}
     notes = []
@@ -328,6 +357,11 @@ def teacher_rows(args, aha: AHA, teachers: dict[int, TeacherMaps], rows: dict[st
         with torch.no_grad():
             test_target = aha.classifier(x[:n]).argmax(dim=1)
         notes += teacher_fit(rows, (xs, target, teacher), (x[:n], test_target, row(x[:n], test_target)), grids)
+        for name, images in (subsets or {}).items():
+            k = min(images, n)
+            fitted = teacher_fit({"default": rows["default"], name: rows[name]}, (xs[:k], target[:k], teacher[:k]),
+                                 (x[:k], test_target[:k], row(x[:k], test_target[:k])), grids)  # fmt: skip
+            notes += [f"{line} (on the {name!r} row's own training images)" for line in fitted]
     return optimum, notes
 
 
@@ -457,6 +491,114 @@ def teacher_maps(args: argparse.Namespace, budget, aha: AHA, train_set, steps: i
     return TeacherMaps.load(folder, len(train_set))
 
 
+def _pooled(maps: torch.Tensor, grid: int) -> torch.Tensor:
+    """Each (B, H, W) map's mean over a ``grid`` x ``grid`` partition of its pixels, at its own size (a map that
+    keeps only the cells' order)."""
+    size = maps.shape[-2:]
+    cells = torch.nn.functional.adaptive_avg_pool2d(maps[:, None], grid)
+    return torch.nn.functional.interpolate(cells, size=size, mode="nearest")[:, 0]
+
+
+def _pearson(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over images of the Pearson correlation of two (B, H, W) maps (each brought to ``b``'s size)."""
+    if a.shape[-2:] != b.shape[-2:]:
+        a = torch.nn.functional.interpolate(a[:, None], size=b.shape[-2:], mode="bilinear", align_corners=False)[:, 0]
+    return (standardise_maps(a.float()) * standardise_maps(b.float())).mean(dim=(1, 2)).mean().item()
+
+
+def _class_token_attention(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The class token's attention to the patches in a timm ViT's last block, mean over heads: (B, h, w); None
+    for a model without one. Recomputed from the block's input with its own qkv weights (timm's fused attention
+    never forms the weights)."""
+    blocks, prefix = getattr(model, "blocks", None), getattr(model, "num_prefix_tokens", 0)
+    if blocks is None or not prefix or not hasattr(blocks[-1], "attn"):
+        return None
+    block, seen = blocks[-1], []
+    handle = block.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0]))
+    try:
+        model(x)
+    finally:
+        handle.remove()
+    attn, tokens = block.attn, block.norm1(seen[0])
+    b, n, c = tokens.shape
+    qkv = attn.qkv(tokens).reshape(b, n, 3, attn.num_heads, c // attn.num_heads).permute(2, 0, 3, 1, 4)
+    q, k = attn.q_norm(qkv[0]), attn.k_norm(qkv[1])
+    weights = (q[:, :, :1] @ k.transpose(-2, -1) * attn.scale).softmax(dim=-1)[:, :, 0, prefix:].mean(dim=1)
+    side = round((n - prefix) ** 0.5)
+    return weights.reshape(b, side, side)
+
+
+def sensitivity_notes(classifier, aha: AHA, x: torch.Tensor, target: torch.Tensor, change: torch.Tensor) -> list[str]:
+    """How well inputs a decoder could be given predict the teacher's change ``change`` (T - D, (B, H, W)): each
+    one's mean Pearson correlation with it. Forward-only: the default map D, the head's score at the deepest tap
+    of its width (``head_input``'s channel), the class token's attention (ViTs), ``|x - r|``; with a backward pass:
+    gradient x (x - r), the first-order change of the target's logit (r the mean colour)."""
+    mean = classifier.norm_mean.to(x.device).reshape(1, -1, 1, 1)
+    signals: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        signals["D (the default map)"] = standardise_maps(aha(x, target))
+        feats = aha.backbone(x)
+        weight = classifier_head_weight(classifier.model, classifier.num_classes)
+        level = head_level([f.shape[1] for f in feats], weight)
+        signals["head score at the deepest tap"] = torch.einsum("bchw,bc->bhw", feats[level], weight[target])
+        attention = _class_token_attention(classifier.model, classifier.normalize(x))
+        if attention is not None:
+            signals["class-token attention, last block"] = attention
+        signals["|x - r|"] = (x - mean).abs().sum(dim=1)
+    xg = x.clone().requires_grad_(True)
+    classifier(xg).gather(1, target[:, None]).sum().backward()
+    signals["gradient x (x - r) (one backward pass)"] = (xg.grad * (x - mean)).sum(dim=1)
+    return ["correlation with T - D: " + ", ".join(f"{name} {_pearson(m, change):+.3f}" for name, m in signals.items())]
+
+
+def teacher_detail(args: argparse.Namespace, classifier, aha: AHA, test_set, budget, acc: float) -> Leaderboard:
+    """Where the teacher's lead over the one-pass map lives, on the first ``args.teacher_detail`` test images.
+
+    The teacher T is the per-image optimum the teacher family teaches (``TEACHER_STEPS`` Adam steps from the
+    default's map D, rate 0.05, both z-scored per image). Rows split each map into its coarse part (the mean over
+    a g x g partition, g the two ends of the training's grids) and its fine part (the rest) and swap them: "T
+    coarse + D fine" scores what a student that learned the teacher's cell order alone would reach; "D coarse + T
+    fine" what the fine detail alone is worth. Also the teacher blurred, half-way from D to T, and the change
+    T - D alone as a map. The notes give the change's size and its correlation with what a decoder could be given
+    (:func:`sensitivity_notes`).
+    """
+    data = tuple(t[: args.teacher_detail] for t in test_set.tensors())
+    x = data[0]
+    log = lambda line: print(f"[{args.kind}] {line}", flush=True)
+    with torch.no_grad():
+        target = torch.cat([classifier(c).argmax(dim=1) for c in x.split(64)])
+        default = standardise_maps(torch.cat([aha(c, t) for c, t in zip(x.split(32), target.split(32), strict=True)]))
+    start = time.perf_counter()
+    teacher = standardise_maps(
+        optimum_rows(aha, x, [TEACHER_STEPS], 0.05, args.seed, log)[f"optimum s={TEACHER_STEPS}"].maps_of(x)
+    )
+    seconds = time.perf_counter() - start
+    rows = {"default (D)": default, f"teacher s={TEACHER_STEPS} (T)": teacher}
+    for g in sorted(set(aha.config.grid_range or grid_rule(*x.shape[-2:]))):
+        rows[f"T coarse + D fine, g={g}"] = _pooled(teacher, g) + default - _pooled(default, g)
+        rows[f"D coarse + T fine, g={g}"] = _pooled(default, g) + teacher - _pooled(teacher, g)
+    rows["T blurred (sigma 1 px)"] = gaussian_blur(teacher[:, None], 5, 1.0)[:, 0]
+    rows["D + (T - D) / 2"] = default + (teacher - default) / 2
+    rows["T - D"] = teacher - default
+    methods: dict[str, object] = {name: _Precomputed(x, maps) for name, maps in rows.items()}
+    methods["PA"] = get_explainer("pullback-ascent", classifier)
+    board = evaluate(
+        classifier, methods, data, ["deletion", "insertion"], batch_size=16, seed=args.seed,
+        title=f"{args.kind} on {args.data} ({acc:.0%} accuracy), first {len(x)} of {budget.n_test} test images at "
+        f"{args.img} px: where the teacher's lead lives", log=log, extra_rankings=True,
+    )  # fmt: skip
+    change = (teacher - default).abs().mean().item()
+    corr = (teacher * default).mean(dim=(1, 2)).mean().item()
+    board.notes += sensitivity_notes(classifier, aha, x, target, teacher - default)
+    board.notes += [
+        f"T: AHA.optimise_maps, {TEACHER_STEPS} Adam steps at lr 0.05 from D ({seconds:.0f} s for {len(x)} images; "
+        "every precomputed row's ms/image column is a table look-up); maps z-scored per image",
+        f"mean |T - D| {change:.3f} standard deviations per pixel; mean Pearson correlation of T and D {corr:.3f}",
+        "composite (insertion - deletion): " + ", ".join(f"{m} {v:.3f}" for m, v in composite(board).items()),
+    ]
+    return board
+
+
 def gap(args: argparse.Namespace, classifier, aha: AHA, test_set, budget, acc: float) -> Leaderboard:
     """The gap split (issue #31, item 1) on the first ``args.gap`` test images; see the module docstring."""
     # Shapes carry masks: their localisation columns (the energy pointing game, mask IoU) ride along.
@@ -511,6 +653,9 @@ def run(args: argparse.Namespace) -> Leaderboard:
     budget = (PHOTOS_QUICK if args.quick else PHOTOS_FULL) if args.data == "photos" else (QUICK if args.quick else FULL)
     torch.manual_seed(args.seed)
     classifier, aha, _, acc = train(args.kind, budget, args.seed, print, args.data, args.img, args.cache)
+    if args.teacher_detail:
+        _, test_set = datasets(args.data, budget, args.img, args.seed)
+        return teacher_detail(args, classifier, aha, test_set, budget, acc)
     if args.gap:
         if args.score_reference != "mean":
             raise SystemExit("--gap scores against the mean colour, the reference of AHA's objective")
@@ -531,6 +676,7 @@ def run(args: argparse.Namespace) -> Leaderboard:
     notes = [f"default: the leaderboard's AHA, {budget.aha_steps} steps of 8, taps {aha.backbone.indices}"]
     trained: dict[str, AHA] = {"default": aha}
     teachers: dict[int, TeacherMaps] = {}
+    subsets: dict[str, int] = {}  # rows trained on the first N training images alone
     rows = [row for family in args.family for row in variants(family, args.kind, args.img, levels).items()]
     if unknown := [name for name in args.only if name not in dict(rows)]:
         raise SystemExit(f"--only names no row of {args.family}: {unknown}; the rows: {sorted(dict(rows))}")
@@ -539,6 +685,7 @@ def run(args: argparse.Namespace) -> Leaderboard:
             continue
         factor = overrides.pop("_steps_factor", 1)
         teacher_steps = overrides.pop("_teacher_steps", None)
+        images = overrides.pop("_images", None)
         val = validation_set(args.data, args.img, args.seed) if overrides.pop("_val", False) else None
         config = dataclasses.replace(base, **overrides)
         steps = round(budget.aha_steps * factor)
@@ -557,7 +704,12 @@ def run(args: argparse.Namespace) -> Leaderboard:
         else:
             variant = AHA(classifier, config)
             teacher = teachers[teacher_steps] if teacher_steps else None
-            fitted = variant.fit(train_set, batch_size=TRAIN_BATCH, epochs=100, max_steps=steps, progress=False,
+            data = train_set
+            if images:  # the first `images` training images alone, and their teacher maps
+                data = torch.utils.data.Subset(train_set, range(images))
+                if teacher is not None:
+                    teacher = TeacherMaps(teacher.maps[:images], teacher.targets[:images], teacher.settings)
+            fitted = variant.fit(data, batch_size=TRAIN_BATCH, epochs=10**6, max_steps=steps, progress=False,
                                  val=val, teacher=teacher)  # fmt: skip
             history = {**{k: v for k, v in fitted.items() if "val" in k}, "flat": flat_record(fitted),
                        "train_seconds": time.perf_counter() - start}  # fmt: skip
@@ -568,6 +720,8 @@ def run(args: argparse.Namespace) -> Leaderboard:
         print(f"[{args.kind}] {name}: {variant.steps_trained} steps in {seconds:.0f} s", flush=True)
         methods[name] = get_explainer("aha", classifier, aha=variant)
         trained[name] = variant
+        if images:
+            subsets[name] = images
         notes.append(f"{name}: {overrides or ''} {steps} steps ({seconds:.0f} s)".replace("  ", " "))
         if history.get("val_step"):
             notes.append(stopping_note(name, history, variant.steps_trained, steps))
@@ -580,7 +734,7 @@ def run(args: argparse.Namespace) -> Leaderboard:
         notes.append(training_step_flops(classifier, base, train_set))
     log = lambda line: print(f"[{args.kind}] {line}", flush=True)
     if teachers:
-        optimum, fit = teacher_rows(args, aha, teachers, trained, train_set, test_set, log)
+        optimum, fit = teacher_rows(args, aha, teachers, trained, train_set, test_set, log, subsets)
         methods |= optimum
         notes += fit
     options = {"integrated-gradients": {"n_steps": budget.ig_steps}}
@@ -626,6 +780,8 @@ def main() -> None:
     refs = ("mean", "black", "blur")
     parser.add_argument("--score-reference", choices=refs, default="mean", help="deletion / insertion reference")
     parser.add_argument("--gap", type=int, default=0, help="the gap split on the first N test images (issue #31)")
+    parser.add_argument("--teacher-detail", type=int, default=0, metavar="N",
+                        help="where the teacher's lead lives, on the first N test images")  # fmt: skip
     parser.add_argument("--gap-steps", default="0,3,10,30,100", help="optimum steps scored (comma-separated)")
     parser.add_argument("--gap-lr", type=float, default=0.05, help="the optimum's Adam step size")
     parser.add_argument("--gap-variant", default=None, help="a cached family row (e.g. 'pullback input') as AHA")
@@ -645,7 +801,9 @@ def main() -> None:
     print(text)
     variant = f"_{args.gap_variant.replace(' ', '_')}" if args.gap and args.gap_variant else ""
     stem = (
-        f"gap{variant}"
+        "teacher_detail"
+        if args.teacher_detail
+        else f"gap{variant}"
         if args.gap
         else "ablate" + ("" if args.score_reference == "mean" else f"_{args.score_reference}")
     )
