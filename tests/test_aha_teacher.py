@@ -162,10 +162,16 @@ def test_the_pixel_loss_is_zero_on_equal_maps_blind_to_scale_four_when_reversed_
     assert (after < before.detach()).all()
     with pytest.raises(ValueError, match="both be"):
         teacher_pixel_loss(teacher, teacher[:, :8])
-    with pytest.raises(ValueError, match=r"teacher's loss must be one of \('listnet', 'pixel'\), got 'mse'"):
+    with pytest.raises(ValueError, match=r"teacher's loss must be one of \('ranking', 'pixel'\), got 'mse'"):
         teacher_loss(teacher, teacher, "mse", grid=4)
-    with pytest.raises(ValueError, match=r"teacher_loss must be one of \('listnet', 'pixel'\), got 'mse'"):
+    with pytest.raises(ValueError, match=r"teacher_loss must be one of \('ranking', 'pixel'\), got 'mse'"):
         AHAConfig(teacher_loss="mse")
+    # train-aha spells the choices out (the command line does not import torch to show its help): the same ones.
+    from attr_engine.aha.config import TEACHER_LOSSES
+    from attr_engine.cli import build_parser
+
+    flags = {a.dest: a for a in build_parser()[1]["train-aha"]._actions}
+    assert tuple(flags["teacher_loss"].choices) == TEACHER_LOSSES
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -173,14 +179,14 @@ def test_the_pixel_loss_is_zero_on_equal_maps_blind_to_scale_four_when_reversed_
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _teacher_loss(aha: AHA, data: _Items, teacher: TeacherMaps, kind: str = "listnet") -> float:
+def _teacher_loss(aha: AHA, data: _Items, teacher: TeacherMaps, kind: str = "ranking") -> float:
     with torch.no_grad():
         maps = aha.attribute(data.x, teacher.targets)
     losses = [teacher_loss(maps, teacher.maps.float(), kind, grid) for grid in (2, 4, 6)]
     return float(torch.stack(losses).mean())
 
 
-@pytest.mark.parametrize("kind", ["listnet", "pixel"])
+@pytest.mark.parametrize("kind", ["ranking", "pixel"])
 def test_the_teacher_phase_lowers_its_loss_against_the_teacher(kind):
     data = _Items(8)
     teacher = _blue_teacher(data)
@@ -193,6 +199,25 @@ def test_the_teacher_phase_lowers_its_loss_against_the_teacher(kind):
     assert all(v == v for v in history["teacher"])  # recorded every step (not NaN)
     taught_loss, alone_loss = _teacher_loss(taught, data, teacher, kind), _teacher_loss(alone, data, teacher, kind)
     assert taught_loss < 0.7 * start and taught_loss < 0.7 * alone_loss, (start, taught_loss, alone_loss)
+
+
+@pytest.mark.parametrize("kind", ["ranking", "pixel"])
+def test_a_step_records_the_teacher_loss_its_config_names(kind):
+    # The first step's recorded loss is that loss of the untrained decoder's maps of the step's images, on its grid
+    # and offset; the other loss gives another value, so a trainer that ignored teacher_loss would fail here.
+    data = _Items(8)
+    teacher = _blue_teacher(data)
+    aha = AHA(colour_classifier(), AHAConfig(**CHEAP, teacher_weight=1.0, teacher_loss=kind))
+    with torch.no_grad():
+        maps = aha.attribute(data.x, teacher.targets)
+    history = aha.fit(data, batch_size=4, max_steps=1, progress=False, teacher=teacher)
+    step = history.steps[0]
+    index = list(step.images)
+    other = "pixel" if kind == "ranking" else "ranking"
+    losses = {k: teacher_loss(maps[index], teacher.maps[index].float(), k, step.grid, step.offset).mean().item()
+              for k in (kind, other)}  # fmt: skip
+    assert history["teacher"][0] == pytest.approx(losses[kind], rel=1e-3, abs=1e-5)
+    assert abs(losses[kind] - losses[other]) > 0.05, losses
 
 
 def test_fit_refuses_a_missing_unwanted_or_mismatched_teacher():
@@ -252,7 +277,7 @@ def test_train_aha_with_a_teacher_computes_it_once_learns_from_it_and_resumes(tm
             "--teacher", str(teacher), "--teacher-steps", "2"]  # fmt: skip
     assert main([*base, "--max-steps", "1"]) == 0
     printed = capsys.readouterr().out
-    assert f"teacher: the optimum of 10 training images in {teacher}" in printed and "teacher loss (listnet)" in printed
+    assert f"teacher: the optimum of 10 training images in {teacher}" in printed and "teacher loss (ranking)" in printed
     parts = sorted(teacher.glob("teacher-*.safetensors"))
     assert [p.name for p in parts] == [TEACHER_PART.format(start=0, stop=10)]  # one chunk of 16 holds all 10
     summary = json.loads((out / "train.json").read_text())

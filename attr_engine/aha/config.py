@@ -29,7 +29,7 @@ REFERENCE_DRAWS = ("step", "image", "signal")
 # What test-time refinement steps (AHA._refine): the map itself, or per-image copies of the decoder's last layers.
 REFINE_MODES = ("map", "decoder")
 # How the teacher is taught (AHAConfig.teacher_loss; attr_engine.aha.teacher.teacher_loss).
-TEACHER_LOSSES = ("listnet", "pixel")
+TEACHER_LOSSES = ("ranking", "pixel")
 
 # The official grid range at 224 px is 7..28 cells; the rule below reproduces it there and keeps cells of at least
 # MIN_CELL_PX pixels and at least MIN_GRID cells per side (where the image allows) at every other size.
@@ -128,10 +128,10 @@ class AHAConfig:
         teacher_weight: weight of the teacher's loss (``teacher_loss``) on the predicted class's maps against
             each training image's per-image optimum, beside the soft-AUC loss; 0 = no teacher, and ``fit`` then
             takes none (0.0). [project]
-        teacher_loss: what the teacher's loss compares (:func:`attr_engine.aha.teacher.teacher_loss`): "listnet"
-            (the step's region scores, ListNet's top-one KL divergence) or "pixel" (the z-scored maps pixel by
-            pixel, mean squared difference: the optimum's lead over the one-pass map is a small change finer
-            than the coarse grids' cells) ("listnet"). [project]
+        teacher_loss: what the teacher's loss compares (:func:`attr_engine.aha.teacher.teacher_loss`): "ranking"
+            (the ranking of the step's region scores, ListNet's top-one KL divergence) or "pixel" (the z-scored
+            maps pixel by pixel, mean squared difference: it also sees a change within a region) ("ranking").
+            [project]
         lr: AdamW learning rate (3e-4). [official]
         weight_decay: AdamW weight decay (1e-3). [official]
         warmup: fraction of the steps spent in linear warm-up before cosine decay (0.06). [official]
@@ -186,7 +186,7 @@ class AHAConfig:
     anchor_span: float = 4.0
     targets: str = "pred+label"
     teacher_weight: float = 0.0
-    teacher_loss: str = "listnet"
+    teacher_loss: str = "ranking"
 
     lr: float = 3e-4
     weight_decay: float = 1e-3

@@ -260,11 +260,10 @@ def teacher_ranking_loss(
 def teacher_pixel_loss(maps: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     """Mean squared difference of the maps and the teacher's, each z-scored over its pixels: (B, H, W) each -> (B,).
 
-    The teacher is the one-pass map plus a small change (a fraction of a standard deviation per pixel) at scales
-    finer than the coarse grids' cells, and that change carries its lead (benches/README.md, "Where the teacher's
-    lead lives"); the ranking of two such maps' region scores barely differs, their pixels do. Standardising both
-    sides makes it blind to the map's scale and shift, as the ranking is: 0 for maps equal up to those, 4 for a
-    reversed map.
+    The teacher starts from the one-pass map, and what its descent changes may lie within the regions the
+    ranking loss pools over (benches/README.md, "Where the teacher's lead lives"): a pixel-wise difference sees
+    such a change, the ranking of region scores does not. Standardising both sides makes it blind to the map's
+    scale and shift, as the ranking is: 0 for maps equal up to those, 4 for a reversed map.
     """
     if maps.shape != teacher.shape or maps.ndim != 3:
         raise ValueError(f"maps and teacher must both be (B, H, W), got {tuple(maps.shape)} and {tuple(teacher.shape)}")
@@ -280,9 +279,9 @@ def teacher_loss(
     grid: int,
     offset: tuple[float, float] = (0.0, 0.0),
 ) -> torch.Tensor:
-    """The teacher's loss ``kind`` (``AHAConfig.teacher_loss``): "listnet" (:func:`teacher_ranking_loss` over the
+    """The teacher's loss ``kind`` (``AHAConfig.teacher_loss``): "ranking" (:func:`teacher_ranking_loss` over the
     step's ``grid`` and ``offset``) or "pixel" (:func:`teacher_pixel_loss`, which takes no grid); (B,)."""
-    if kind == "listnet":
+    if kind == "ranking":
         return teacher_ranking_loss(maps, teacher, grid, offset)
     if kind == "pixel":
         return teacher_pixel_loss(maps, teacher)

@@ -121,9 +121,9 @@ def _add_teacher_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--teacher-weight", type=float, default=None, metavar="W",
                        help="weight of the teacher's loss beside the soft AUCs (AHAConfig.teacher_weight; "
                        "default 1.0 with --teacher)")  # fmt: skip
-    group.add_argument("--teacher-loss", choices=("listnet", "pixel"), default=None,
-                       help="what the teacher's loss compares (AHAConfig.teacher_loss): listnet (the region scores' "
-                       "ranking, the default) or pixel (the z-scored maps pixel by pixel)")  # fmt: skip
+    group.add_argument("--teacher-loss", choices=("ranking", "pixel"), default=None,
+                       help="what the teacher's loss compares (AHAConfig.teacher_loss): ranking (the ranking of the "
+                       "region scores, the default) or pixel (the z-scored maps pixel by pixel)")  # fmt: skip
     group.add_argument("--teacher-steps", type=int, default=30, help="optimum steps per image (default 30)")
     group.add_argument("--teacher-lr", type=float, default=0.05, help="the optimum's Adam step size (default 0.05)")
     group.add_argument("--teacher-engine", choices=("local", "ray"), default="local",
