@@ -108,6 +108,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import attr_engine_kernels as kernels
 from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.config import grid_rule
 from attr_engine.aha.model import standardise_maps
@@ -119,6 +120,7 @@ from attr_engine.evaluate import Leaderboard, evaluate
 from attr_engine.explainer import Explainer, get_explainer
 from attr_engine.imageops import gaussian_blur
 from attr_engine.report import leaderboard_markdown, write_markdown
+from attr_engine_kernels.region import cell_index
 from benches.bench_leaderboard import FULL, PHOTOS_FULL, PHOTOS_QUICK, QUICK, composite, datasets, train
 
 FAMILIES = (
@@ -145,7 +147,7 @@ FAMILIES = (
 )
 # The teacher family's optimum: Adam steps per training image, from the cached default AHA's one-pass maps.
 TEACHER_STEPS = 10
-# The teacher family's fitting row: the training images it alone trains on (400 steps of 8 = 50 passes).
+# The teacher family's fitting row: the training images it alone trains on, the leaderboard's steps over them.
 TEACHER_FIT_IMAGES = 64
 # The budget family's cap, in multiples of the leaderboard's steps, and its held-out validation images.
 BUDGET_CAP = 4
@@ -318,9 +320,9 @@ def teacher_fit(rows: dict[str, AHA], train: tuple, test: tuple, grids: tuple[in
     """Each row's mean :func:`teacher_ranking_loss` and :func:`teacher_pixel_loss` against the teacher's maps, on
     training and on test images.
 
-    ``train`` / ``test``: ``(x (N, 3, H, W), target (N,), teacher maps (N, H, W))``; the loss is averaged over the
-    two ends of the training's ``grids`` (no offset). Low on training and high on test: the student memorises the
-    teacher; high on both: it cannot fit it.
+    ``train`` / ``test``: ``(x (N, 3, H, W), target (N,), teacher maps (N, H, W))``; the ranking loss is averaged
+    over the two ends of the training's ``grids`` (no offset), the pixel loss takes no grid. Low on training and
+    high on test: the student memorises the teacher; high on both: it cannot fit it.
     """
     notes = []
     for name, aha in rows.items():
@@ -492,11 +494,12 @@ def teacher_maps(args: argparse.Namespace, budget, aha: AHA, train_set, steps: i
 
 
 def _pooled(maps: torch.Tensor, grid: int) -> torch.Tensor:
-    """Each (B, H, W) map's mean over a ``grid`` x ``grid`` partition of its pixels, at its own size (a map that
-    keeps only the cells' order)."""
-    size = maps.shape[-2:]
-    cells = torch.nn.functional.adaptive_avg_pool2d(maps[:, None], grid)
-    return torch.nn.functional.interpolate(cells, size=size, mode="nearest")[:, 0]
+    """Each (B, H, W) map's mean over each cell of the training's ``grid`` x ``grid`` partition
+    (:func:`~attr_engine_kernels.region.cell_index`, no offset), at its own size: a map that keeps only the cells'
+    order, and whose fine part ``maps - _pooled(maps, grid)`` averages to zero in every cell."""
+    rows, cols = (cell_index(n, grid).to(maps.device) for n in maps.shape[-2:])
+    cells = kernels.region_pool(maps.float(), grid).reshape(len(maps), grid, grid)
+    return cells[:, rows][:, :, cols]
 
 
 def _pearson(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -510,8 +513,10 @@ def _class_token_attention(model: torch.nn.Module, x: torch.Tensor) -> torch.Ten
     """The class token's attention to the patches in a timm ViT's last block, mean over heads: (B, h, w); None
     for a model without one. Recomputed from the block's input with its own qkv weights (timm's fused attention
     never forms the weights)."""
+    from timm.models.vision_transformer import Block
+
     blocks, prefix = getattr(model, "blocks", None), getattr(model, "num_prefix_tokens", 0)
-    if blocks is None or not prefix or not hasattr(blocks[-1], "attn"):
+    if blocks is None or not prefix or type(blocks[-1]) is not Block:  # a pre-norm block: attn(norm1(x))
         return None
     block, seen = blocks[-1], []
     handle = block.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0]))
@@ -520,8 +525,8 @@ def _class_token_attention(model: torch.nn.Module, x: torch.Tensor) -> torch.Ten
     finally:
         handle.remove()
     attn, tokens = block.attn, block.norm1(seen[0])
-    b, n, c = tokens.shape
-    qkv = attn.qkv(tokens).reshape(b, n, 3, attn.num_heads, c // attn.num_heads).permute(2, 0, 3, 1, 4)
+    b, n = tokens.shape[:2]
+    qkv = attn.qkv(tokens).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     q, k = attn.q_norm(qkv[0]), attn.k_norm(qkv[1])
     weights = (q[:, :, :1] @ k.transpose(-2, -1) * attn.scale).softmax(dim=-1)[:, :, 0, prefix:].mean(dim=1)
     side = round((n - prefix) ** 0.5)
@@ -530,13 +535,13 @@ def _class_token_attention(model: torch.nn.Module, x: torch.Tensor) -> torch.Ten
 
 def sensitivity_notes(classifier, aha: AHA, x: torch.Tensor, target: torch.Tensor, change: torch.Tensor) -> list[str]:
     """How well inputs a decoder could be given predict the teacher's change ``change`` (T - D, (B, H, W)): each
-    one's mean Pearson correlation with it. Forward-only: the default map D, the head's score at the deepest tap
-    of its width (``head_input``'s channel), the class token's attention (ViTs), ``|x - r|``; with a backward pass:
-    gradient x (x - r), the first-order change of the target's logit (r the mean colour)."""
+    one's mean Pearson correlation with it. Forward-only: the head's score at the deepest tap of its width
+    (``head_input``'s channel), the class token's attention (ViTs), ``|x - r|``; with a backward pass: gradient x
+    (x - r), the first-order change of the target's logit (r the mean colour). (D's own correlation with the change
+    follows from corr(T, D) alone, for z-scored maps: -sqrt((1 - rho) / 2).)"""
     mean = classifier.norm_mean.to(x.device).reshape(1, -1, 1, 1)
     signals: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        signals["D (the default map)"] = standardise_maps(aha(x, target))
         feats = aha.backbone(x)
         weight = classifier_head_weight(classifier.model, classifier.num_classes)
         level = head_level([f.shape[1] for f in feats], weight)
@@ -654,6 +659,8 @@ def run(args: argparse.Namespace) -> Leaderboard:
     torch.manual_seed(args.seed)
     classifier, aha, _, acc = train(args.kind, budget, args.seed, print, args.data, args.img, args.cache)
     if args.teacher_detail:
+        if args.gap or args.score_reference != "mean":
+            raise SystemExit("--teacher-detail scores against the mean colour, alone (no --gap, no --score-reference)")
         _, test_set = datasets(args.data, budget, args.img, args.seed)
         return teacher_detail(args, classifier, aha, test_set, budget, acc)
     if args.gap:
