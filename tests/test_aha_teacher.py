@@ -310,6 +310,8 @@ def test_train_aha_with_a_teacher_computes_it_once_learns_from_it_and_resumes(tm
         assert "--teacher-weight needs --teacher" in capsys.readouterr().err
     assert main([*no_teacher, "--overwrite", "--teacher-loss", "pixel"]) == 2
     assert "--teacher-loss needs --teacher" in capsys.readouterr().err
+    assert main([*no_teacher, "--overwrite", "--aha-option", "teacher_loss=pixel"]) == 2
+    assert "teacher_loss='pixel' needs --teacher" in capsys.readouterr().err
     assert main([*no_teacher, "--overwrite", "--teacher-actors", "0"]) == 2
     assert "--teacher-actors needs --teacher" in capsys.readouterr().err
     assert main([*no_teacher, "--overwrite", "--teacher-engine", "ray"]) == 2

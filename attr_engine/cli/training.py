@@ -315,6 +315,9 @@ def aha_config_from_args(args: argparse.Namespace) -> Any:
             fields[flag] = getattr(args, flag)
     if getattr(args, "teacher", None) and "teacher_weight" not in fields:
         fields["teacher_weight"] = DEFAULT_TEACHER_WEIGHT
+    if fields.get("teacher_loss", "ranking") != "ranking" and not getattr(args, "teacher", None):
+        # From --aha-option or a config file: without a teacher there is no teacher loss, so it would do nothing.
+        raise UsageError(f"teacher_loss={fields['teacher_loss']!r} needs --teacher (the folder of the teacher maps)")
     try:
         return AHAConfig.from_dict(fields)  # JSON / YAML lists become tuples there
     except TypeError as err:
