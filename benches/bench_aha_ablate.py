@@ -119,6 +119,7 @@ from attr_engine.data import PhotoCropsDataset, ShapesDataset
 from attr_engine.evaluate import Leaderboard, evaluate
 from attr_engine.explainer import Explainer, get_explainer
 from attr_engine.imageops import gaussian_blur
+from attr_engine.metrics import pearson_similarity
 from attr_engine.report import leaderboard_markdown, write_markdown
 from attr_engine_kernels.region import cell_index
 from benches.bench_leaderboard import FULL, PHOTOS_FULL, PHOTOS_QUICK, QUICK, composite, datasets, train
@@ -301,11 +302,19 @@ def _key(img: torch.Tensor) -> bytes:
     return img.detach().float().cpu().contiguous().numpy().tobytes()
 
 
-def optimum_rows(aha: AHA, x: torch.Tensor, steps: list[int], lr: float, seed: int, log) -> dict[str, _Precomputed]:
-    """``{"optimum s=N": maps}`` of :meth:`AHA.optimise_maps` for every N in ``steps`` (chunks of 10 images, the
-    same grid draws for every chunk: each map depends on its image alone)."""
+def predicted(classifier, x: torch.Tensor) -> torch.Tensor:
+    """The classifier's predicted class of each image: (N, 3, H, W) -> (N,), in batches of 64."""
     with torch.no_grad():
-        target = torch.cat([aha.classifier(c).argmax(dim=1) for c in x.split(64)])
+        return torch.cat([classifier(c).argmax(dim=1) for c in x.split(64)])
+
+
+def optimum_rows(
+    aha: AHA, x: torch.Tensor, steps: list[int], lr: float, seed: int, log, target: torch.Tensor | None = None
+) -> dict[str, _Precomputed]:
+    """``{"optimum s=N": maps}`` of :meth:`AHA.optimise_maps` for every N in ``steps`` (chunks of 10 images, the
+    same grid draws for every chunk: each map depends on its image alone), for the classes ``target`` (N,)
+    (``None``: the predicted ones)."""
+    target = predicted(aha.classifier, x) if target is None else target
     chunks: dict[int, list[torch.Tensor]] = {s: [] for s in steps}
     start = time.perf_counter()
     for i in range(0, len(x), 10):
@@ -347,17 +356,18 @@ def teacher_rows(
     optimum: dict[str, _Precomputed] = {}
     notes = []
     grids = aha.config.grid_range or grid_rule(*x.shape[-2:])
+    target_x = predicted(aha.classifier, x)
     for steps, maps in teachers.items():
         start = time.perf_counter()
-        row = optimum[f"teacher s={steps}"] = optimum_rows(aha, x, [steps], 0.05, args.seed, log)[f"optimum s={steps}"]
+        rows_of = optimum_rows(aha, x, [steps], 0.05, args.seed, log, target_x)
+        row = optimum[f"teacher s={steps}"] = rows_of[f"optimum s={steps}"]
         seconds = time.perf_counter() - start
         notes.append(f"teacher s={steps}: the teacher's optimum computed on the {len(x)} test images ({seconds:.0f} s; "
                      "its ms/image column is a table look-up)")  # fmt: skip
         n = min(200, len(x), len(maps))
         xs = torch.stack([train_set[i][0] for i in range(n)])
         teacher, target = maps.batch(range(n), "cpu")
-        with torch.no_grad():
-            test_target = aha.classifier(x[:n]).argmax(dim=1)
+        test_target = target_x[:n]
         notes += teacher_fit(rows, (xs, target, teacher), (x[:n], test_target, row(x[:n], test_target)), grids)
         for name, images in (subsets or {}).items():
             k = min(images, n)
@@ -503,10 +513,11 @@ def _pooled(maps: torch.Tensor, grid: int) -> torch.Tensor:
 
 
 def _pearson(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Mean over images of the Pearson correlation of two (B, H, W) maps (each brought to ``b``'s size)."""
+    """Mean over images of the Pearson correlation (:func:`~attr_engine.metrics.pearson_similarity`) of two
+    (B, H, W) maps, ``a`` brought to ``b``'s size."""
     if a.shape[-2:] != b.shape[-2:]:
         a = torch.nn.functional.interpolate(a[:, None], size=b.shape[-2:], mode="bilinear", align_corners=False)[:, 0]
-    return (standardise_maps(a.float()) * standardise_maps(b.float())).mean(dim=(1, 2)).mean().item()
+    return pearson_similarity(a.flatten(1), b.flatten(1)).mean().item()
 
 
 def _class_token_attention(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -570,13 +581,12 @@ def teacher_detail(args: argparse.Namespace, classifier, aha: AHA, test_set, bud
     data = tuple(t[: args.teacher_detail] for t in test_set.tensors())
     x = data[0]
     log = lambda line: print(f"[{args.kind}] {line}", flush=True)
+    target = predicted(classifier, x)
     with torch.no_grad():
-        target = torch.cat([classifier(c).argmax(dim=1) for c in x.split(64)])
         default = standardise_maps(torch.cat([aha(c, t) for c, t in zip(x.split(32), target.split(32), strict=True)]))
     start = time.perf_counter()
-    teacher = standardise_maps(
-        optimum_rows(aha, x, [TEACHER_STEPS], 0.05, args.seed, log)[f"optimum s={TEACHER_STEPS}"].maps_of(x)
-    )
+    rows_of = optimum_rows(aha, x, [TEACHER_STEPS], 0.05, args.seed, log, target)
+    teacher = standardise_maps(rows_of[f"optimum s={TEACHER_STEPS}"].maps_of(x))
     seconds = time.perf_counter() - start
     rows = {"default (D)": default, f"teacher s={TEACHER_STEPS} (T)": teacher}
     for g in sorted(set(aha.config.grid_range or grid_rule(*x.shape[-2:]))):
@@ -593,7 +603,7 @@ def teacher_detail(args: argparse.Namespace, classifier, aha: AHA, test_set, bud
         f"{args.img} px: where the teacher's lead lives", log=log, extra_rankings=True,
     )  # fmt: skip
     change = (teacher - default).abs().mean().item()
-    corr = (teacher * default).mean(dim=(1, 2)).mean().item()
+    corr = _pearson(teacher, default)
     board.notes += sensitivity_notes(classifier, aha, x, target, teacher - default)
     board.notes += [
         f"T: AHA.optimise_maps, {TEACHER_STEPS} Adam steps at lr 0.05 from D ({seconds:.0f} s for {len(x)} images; "
