@@ -63,6 +63,7 @@ _FLAGS = (
     "pullback_input",
     "pullback_skip",
     "head_input",
+    "prediction_input",
 )
 
 
@@ -107,6 +108,9 @@ class AHAConfig:
             target class at each of its positions (``W_t · f(x, y)``: the class activation map of a pooled linear
             head), one channel standardised per image; no backward pass, exported; needs the classifier's own
             backbone (False). [measured]
+        prediction_input: the classifier's predicted distribution (the softmax of its logits, from the pass that
+            gives the decoder's levels) also conditions the decoder, through a learned matrix onto the class
+            embedding; no backward pass, exported (False). [measured]
         grid_range: inclusive (min, max) grid per step; None = :func:`grid_rule` of the short side. [official/measured]
         random_offset: shift the grid's cell boundaries by a random sub-cell offset each step (True). [project]
         tau_start: Sinkhorn temperature at the first step (1.0), annealed linearly to ``tau_end``. [official]
@@ -168,6 +172,7 @@ class AHAConfig:
     pullback_method: str = "soft"
     pullback_skip: bool = False
     head_input: bool = False
+    prediction_input: bool = False
 
     grid_range: tuple[int, int] | None = None
     random_offset: bool = True

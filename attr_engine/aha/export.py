@@ -33,7 +33,7 @@ from torch import nn
 from attr_engine._optional import optional_import
 from attr_engine.aha.config import AHAConfig
 from attr_engine.aha.loss import standardise
-from attr_engine.aha.network import Decoder, FeatureBackbone
+from attr_engine.aha.network import Decoder, FeatureBackbone, with_prediction
 from attr_engine.artifact import EXPORT_FORMAT, INPUT_NAMES, OUTPUT_NAMES
 from attr_engine.atomic import atomic_write
 from attr_engine.classifier import Classifier, classifier_fingerprint, eval_mode
@@ -88,6 +88,7 @@ class ServingModule(nn.Module):
         self.classifier = explainer.classifier
         self.fused = explainer.backbone.model is explainer.classifier.model
         self.zscore = explainer.config.score_norm == "zscore"
+        self.prediction = explainer.config.prediction_input
 
     def forward(self, images: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused:
@@ -95,6 +96,8 @@ class ServingModule(nn.Module):
         else:
             feats = self.backbone(images)
             logits = self.classifier.forward_trusted(images)
+        if self.prediction:
+            feats = with_prediction(feats, logits)
         classes = torch.where(target < 0, logits.argmax(dim=1), target)
         maps = self.decoder(feats, images, classes).float()
         return logits.float(), standardise(maps, dim=(-2, -1)) if self.zscore else maps

@@ -12,7 +12,7 @@ from torch import nn
 
 from attr_engine.aha.config import AHAConfig
 from attr_engine.aha.loss import soft_auc_loss, standardise, target_probabilities
-from attr_engine.aha.network import FeatureBackbone, PerImageTail, build_backbone, build_decoder
+from attr_engine.aha.network import FeatureBackbone, PerImageTail, build_backbone, build_decoder, with_prediction
 from attr_engine.aha.persistence import WEIGHTS_FILE, load_checkpoint, save_explainer
 from attr_engine.aha.trainer import fit as train_decoder
 from attr_engine.classifier import Classifier, check_device, eval_mode, resolve_targets
@@ -106,7 +106,21 @@ class AHA(nn.Module, Explainer):
         """Raw maps. x: (B, 3, H, W) in [0, 1], any floating dtype; target: (B,) classes -> (B, H, W) float32."""
         # The backbone casts to its own dtype; the decoder is float32 whatever the classifier's dtype.
         x = x.float()
-        return self.decoder(self.backbone(x), x, target, self.pullback_input(x, target))
+        return self.decoder(self.features(x), x, target, self.pullback_input(x, target))
+
+    @torch.no_grad()
+    def features(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The decoder's inputs from the backbone for x (B, 3, H, W) in [0, 1]: its levels (B, C_l, h_l, w_l), and
+        where ``config.prediction_input`` is on the classifier's predicted distribution (B, K) after them
+        (:func:`~attr_engine.aha.network.with_prediction`) from ``logits`` (B, K) if the caller has them, else from
+        the same backbone pass when it is the classifier's own network, else from one classifier pass."""
+        if not self.config.prediction_input:
+            return self.backbone(x)
+        if logits is not None:
+            return with_prediction(self.backbone(x), logits)
+        if self.backbone.model is self.classifier.model:
+            return with_prediction(*self.backbone.forward_with_logits(x))
+        return with_prediction(self.backbone(x), self.classifier.forward_trusted(x))
 
     def pullback_input(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
         """The decoder's per-pixel inputs beside the image where ``config.pullback_input`` is on, else None.
@@ -213,6 +227,8 @@ class AHA(nn.Module, Explainer):
             else:
                 feats, logits = self.backbone(x), self.classifier(x)
             classes = resolve_targets(self.classifier, x, target, logits=logits)
+            if self.config.prediction_input:
+                feats = with_prediction(feats, logits)
             if not opts["refine_steps"]:
                 maps = self.decoder(feats, x, classes, self.pullback_input(x, classes)).float()
         if opts["refine_steps"]:
@@ -276,8 +292,8 @@ class AHA(nn.Module, Explainer):
         offsets of the steps come from ``generator`` alone, the same for every image. Everything before the steps
         runs once without autograd; a step costs ``2 x (config.refine_fractions - 2)`` classifier passes with
         backward per image (the curves' ends do not depend on the map). The masks are smoothed as in training
-        (``config.mask_sigma``), and the grids are clipped to the short side of ``x``. ``feats``: the backbone's
-        levels of ``x`` if the caller has them (:meth:`predict_and_explain`), else one backbone pass computes them.
+        (``config.mask_sigma``), and the grids are clipped to the short side of ``x``. ``feats``: the decoder's
+        inputs for ``x`` (:meth:`features`) if the caller has them (:meth:`predict_and_explain`), else computed here.
         """
         cfg = self.config
         gen = _as_generator(generator if generator is not None else cfg.seed)
@@ -287,7 +303,7 @@ class AHA(nn.Module, Explainer):
         grid_range = cfg.resolved((x.shape[-2], x.shape[-1])).refine_grid_range
         assert grid_range is not None  # resolved fills it in
         with torch.no_grad():
-            levels = self.backbone(x) if feats is None else feats
+            inputs = self.features(x) if feats is None else feats
             extra = self.pullback_input(x, target)
             reference, ends = self._objective_ends(x, target)
         # What takes the steps (params) and how the maps follow from it (maps_of); the descent is the same.
@@ -295,7 +311,7 @@ class AHA(nn.Module, Explainer):
         params: list[torch.Tensor]
         if cfg.refine_mode == "map":
             with torch.no_grad():
-                start = standardise_maps(self.decoder(levels, x, target, extra).float())
+                start = standardise_maps(self.decoder(inputs, x, target, extra).float())
             if not cfg.refine_smooth:
                 free = nn.Parameter(start)
                 maps_of = lambda: free
@@ -308,7 +324,7 @@ class AHA(nn.Module, Explainer):
             params, lr = [free], cfg.refine_map_lr
         else:
             with torch.no_grad():
-                hidden = self.decoder.hidden(levels, x, target, cfg.refine_depth, extra)
+                hidden = self.decoder.hidden(inputs, x, target, cfg.refine_depth, extra)
             tail = PerImageTail(self.decoder, x.shape[0], cfg.refine_depth)
             maps_of = lambda: self.decoder.with_terms(tail(hidden), x, extra)
             params, lr = list(tail.parameters()), cfg.refine_lr

@@ -497,6 +497,10 @@ class Decoder(nn.Module):
             ``"replicate"``. Zero padding shows each convolution a dark border that no image has, which trained
             weights can turn into extra (or missing) weight on the frame's outer pixels; replicate padding extends
             the edge pixels instead. Only the padding changes: the weights and their shapes are the same.
+        prediction_input: ``feats`` ends with the classifier's predicted distribution (B, K), the softmax of its
+            logits (:func:`with_prediction`), which a learned (class_dim, K) matrix adds to the class embedding:
+            the decoder knows how sure the classifier is and what else it sees, not only the class it explains.
+            The matrix starts at zero (the untrained map is unchanged).
     """
 
     reference: torch.Tensor  # (1, 3, 1, 1), a buffer where the reference-distance term is on
@@ -517,6 +521,7 @@ class Decoder(nn.Module):
         stride: int = 1,
         upsample: str = "guided",
         head_weight: torch.Tensor | None = None,
+        prediction_input: bool = False,
     ) -> None:
         super().__init__()
         if stride not in DECODER_STRIDES:
@@ -579,6 +584,9 @@ class Decoder(nn.Module):
             self.register_buffer("reference", reference.detach().float().reshape(1, 3, 1, 1).clone(), persistent=False)
         self.skip_weight: nn.Parameter | None = nn.Parameter(torch.ones(())) if pullback_skip else None
         self.upsample = GuidedUpsample(stride) if stride > 1 and upsample == "guided" else None
+        self.prediction_weight: nn.Parameter | None = None
+        if prediction_input:  # zeros, no random draw: the other weights' seeded initialisation is unchanged
+            self.prediction_weight = nn.Parameter(torch.zeros(class_dim, num_classes))
         # channels_last convolution weights (and activations, see trunk): oneDNN's direct kernels skip the reorders
         # it otherwise does around every convolution; 1.3-1.4x faster decoder on the CPU (bench_floor, 32 and
         # 64 px). Same values up to rounding; a checkpoint stores the weights contiguous either way.
@@ -587,8 +595,9 @@ class Decoder(nn.Module):
     def forward(
         self, feats: list[torch.Tensor], x: torch.Tensor, target: torch.Tensor, extra: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """feats: levels (B, C_l, h_l, w_l); x: (B, 3, H, W) in [0, 1]; target: (B,) class ids; extra: (B,
-        ``extra_channels``, H, W) per-pixel inputs beside the image (None where there are none) -> (B, H, W)."""
+        """feats: levels (B, C_l, h_l, w_l), then the predicted distribution (B, K) where ``prediction_input``
+        (:func:`with_prediction`); x: (B, 3, H, W) in [0, 1]; target: (B,) class ids; extra: (B, ``extra_channels``,
+        H, W) per-pixel inputs beside the image (None where there are none) -> (B, H, W)."""
         return self.with_terms(self.out(self.head(self.trunk(feats, x, target, extra)))[:, 0], x, extra)
 
     def with_terms(self, maps: torch.Tensor, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
@@ -633,7 +642,8 @@ class Decoder(nn.Module):
         extra: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The activations (B, C, H, W) that enter the decoder's last ``depth`` layers (1: the output projection;
-        2: also the head's last convolution, :attr:`tail_conv`), as :class:`PerImageTail` takes them."""
+        2: also the head's last convolution, :attr:`tail_conv`), as :class:`PerImageTail` takes them; the inputs
+        are :meth:`forward`'s."""
         if depth not in (1, 2):
             raise ValueError(f"depth must be 1 or 2, got {depth!r}")
         z = self.trunk(feats, x, target, extra)
@@ -650,7 +660,8 @@ class Decoder(nn.Module):
         self, feats: list[torch.Tensor], x: torch.Tensor, target: torch.Tensor, extra: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Fused features at the decoder's resolution joined with the image stem: (B, dim + image_dim, h, w)
-        ("full") or (B, 2 * image_dim, h, w) ("light"), h = ceil(H / stride) (H at stride 1)."""
+        ("full") or (B, 2 * image_dim, h, w) ("light"), h = ceil(H / stride) (H at stride 1); the inputs are
+        :meth:`forward`'s."""
         got = 0 if extra is None else extra.shape[1]
         if got != self.extra_channels:
             raise ValueError(f"the decoder's stem takes {self.extra_channels} channels beside the image, got {got}")
@@ -658,9 +669,22 @@ class Decoder(nn.Module):
             x = torch.cat((x, extra.to(x.dtype)), dim=1)
         if self.stride > 1:  # each stride x stride block of pixels becomes channels of one position
             x = F.pixel_unshuffle(self._pad_to_stride(x), self.stride)
+        emb = self.class_embed(target)
+        if self.prediction_weight is not None:
+            feats, probs = feats[:-1], feats[-1]
+            classes = self.prediction_weight.shape[1]
+            # The batch is compared only outside a trace, where it stays symbolic.
+            if probs.ndim != 2 or probs.shape[1] != classes or (not _tracing() and len(probs) != len(target)):
+                raise ValueError(
+                    f"the decoder's last input must be the predicted distribution ({len(target)}, {classes}) "
+                    f"(with_prediction), got {tuple(probs.shape)}"
+                )
+            emb = emb + probs.to(emb.dtype) @ self.prediction_weight.T
+        elif feats and feats[-1].ndim == 2:
+            raise ValueError("the decoder was built without prediction_input: pass the backbone's levels alone")
         if self.head_level is not None:
             feats = self._with_head_score(feats, target)
-        emb = self.class_embed(target)[:, :, None, None]
+        emb = emb[:, :, None, None]
         cl = torch.channels_last
         height, width = x.shape[-2:]
         if self.stride > 1:  # a level finer than the decoder's resolution is averaged down to it
@@ -737,15 +761,21 @@ def head_level(feature_channels: list[int], head_weight: torch.Tensor) -> int:
     )
 
 
+def with_prediction(feats: list[torch.Tensor], logits: torch.Tensor) -> list[torch.Tensor]:
+    """The decoder's inputs for ``AHAConfig.prediction_input``: the levels ``feats`` followed by the classifier's
+    predicted distribution, the softmax of ``logits`` (B, K), in float32 (bounded whatever the logits' scale)."""
+    return [*feats, torch.softmax(logits.float(), dim=1)]
+
+
 def build_decoder(
     config: AHAConfig, feature_channels: list[int], classifier: Classifier, reference: torch.Tensor
 ) -> Decoder:
     """The :class:`Decoder` ``config`` describes over levels of ``feature_channels`` for ``classifier``'s classes:
     its widths, kind, padding, the reference-distance term (colour ``reference`` (3,), used only where
     ``config.reference_distance`` is on), the pullback input's stem channels and skip, the stride and upsampling,
-    and the head score (the classifier's head weights, :func:`classifier_head_weight`, where ``config.head_input``
-    is on). One place maps a config to a decoder, for the explainer and for the checkpoint check that builds it
-    on the meta device."""
+    the head score (the classifier's head weights, :func:`classifier_head_weight`, where ``config.head_input``
+    is on) and the predicted distribution's matrix (``config.prediction_input``). One place maps a config to a
+    decoder, for the explainer and for the checkpoint check that builds it on the meta device."""
     return Decoder(
         feature_channels,
         classifier.num_classes,
@@ -760,6 +790,7 @@ def build_decoder(
         config.decoder_stride,
         config.decoder_upsample,
         classifier_head_weight(classifier.model, classifier.num_classes) if config.head_input else None,
+        config.prediction_input,
     )
 
 

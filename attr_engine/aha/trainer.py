@@ -54,6 +54,8 @@ class Trainee(Checkpointable, Scored, Protocol):
     @property
     def device(self) -> torch.device: ...
 
+    def features(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> list[torch.Tensor]: ...
+
     def pullback_input(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None: ...
 
 
@@ -401,11 +403,12 @@ def _train_step(
             # The label where it is known and differs from the prediction, otherwise the runner-up.
             known = (labels >= 0) & (labels < classifier.num_classes) & (labels != top2[:, 0])
             targets.append(torch.where(known, labels, top2[:, 1]))
-        feats = aha.backbone(x)
+        # The served distribution is float32: logits under autocast would teach the decoder a rounded one.
+        feats = aha.features(x, None if cfg.amp and x.is_cuda else logits)
     n_targets = len(targets)
     target = torch.cat(targets)
     xs = x.repeat(n_targets, 1, 1, 1)
-    feats = [f.repeat(n_targets, 1, 1, 1) for f in feats]
+    feats = [f.repeat(n_targets, *(1,) * (f.ndim - 1)) for f in feats]
     blur = (blur_kernel, blur_sigma)
     if cfg.reference_draw == "step":  # one reference for every curve, as drawn
         choice = torch.full((len(xs),), kind)
