@@ -70,6 +70,8 @@ Families (``--family``, comma-separated; each row's overrides are printed in the
 - ``head``: the classifier head's score of the target at each position of its deepest matching tap as one more
   decoder input (``AHAConfig.head_input``: the class activation map of a pooled linear head), a decoder input
   that costs no backward pass (issue #40 item 4).
+- ``prediction``: the classifier's predicted distribution (the softmax of its logits) as a decoder input
+  (``AHAConfig.prediction_input``), through a learned matrix onto the class embedding (issue #40 item 4).
 - ``curve``: the learning curve (issue #40 item 2): the default config trained for ``CURVE_FACTORS`` times the
   leaderboard's steps (a 64x span of training images seen; the x16 row alone trains 16 times the default), each
   its own run (the warm-up and cosine schedules span its budget) with ``fit(val=)`` keeping the weights of its
@@ -144,6 +146,7 @@ FAMILIES = (
     "stride",
     "teacher",
     "head",
+    "prediction",
     "curve",
 )
 # The teacher family's optimum: Adam steps per training image, from the cached default AHA's one-pass maps.
@@ -265,6 +268,8 @@ def variants(family: str, kind: str, img: int, levels: int) -> dict[str, dict]:
         }
     if family == "head":
         return {"head input": {"head_input": True}}
+    if family == "prediction":
+        return {"prediction input": {"prediction_input": True}}
     if family == "teacher":  # the default AHA's per-image optimum (TEACHER_STEPS Adam steps) as the teacher
         rows = {f"teacher {w}": {"teacher_weight": w, "_teacher_steps": TEACHER_STEPS} for w in (0.3, 1.0)}
         # A teacher of 3x the steps (closer to the optimum, 3x its cost), and the taught decoder at the curve
