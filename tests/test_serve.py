@@ -55,6 +55,8 @@ LIMITS = ["--max-image-bytes", "30000", "--max-pixels", "20000", "--min-side", "
 METHODS = {"gradient": ["--method", "gradient"], "aha": ["--method", "aha", "--aha", "{aha}"]}
 # The kinds of server: PyTorch replicas of each method, and onnxruntime replicas of the exported AHA ("onnx").
 KINDS = {"gradient": "gradient", "aha": "aha", "onnx": "aha"}  # kind -> the method its maps are explain's of
+# Seconds a server may take to stop after Ctrl-C; past them its threads' stacks are shown and it is killed.
+STOP_SECONDS = 120
 ONNX_MAP_ATOL = 1e-4  # onnxruntime against PyTorch on standardised maps (tests/test_export.py)
 
 
@@ -157,7 +159,8 @@ def artifact(data) -> Path:
 @pytest.fixture(scope="module", params=sorted(KINDS))
 def server(request, cluster, data):
     """`attr-engine serve` in its own process, joined to the test's cluster; stopped with Ctrl-C at the end, which
-    must end it cleanly (exit status 0, no traceback)."""
+    must end it cleanly (exit status 0, no traceback). It starts with SIGINT ignored, as a script's background
+    command (`attr-engine serve ... &`) does: Ctrl-C must stop it all the same."""
     kind, (address, port) = request.param, cluster
     method = KINDS[kind]
     if kind == "onnx":
@@ -167,8 +170,10 @@ def server(request, cluster, data):
         model = ["--classifier", str(data["checkpoint"]), *args]
     command = [sys.executable, "-m", "attr_engine", "serve", *model,
                "--name", NAME, "--port", str(port), "--address", address, *LIMITS]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}
+    ignored = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            preexec_fn=ignored)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     client = httpx.Client(base_url=url, timeout=120)
     try:
@@ -180,7 +185,17 @@ def server(request, cluster, data):
     finally:
         client.close()
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
+        try:
+            _, err = proc.communicate(timeout=STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            # PYTHONFAULTHANDLER: SIGABRT writes every thread's stack to stderr, then the process ends.
+            proc.send_signal(signal.SIGABRT)
+            try:
+                _, err = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            raise AssertionError(f"the server did not stop {STOP_SECONDS} s after Ctrl-C; its stderr:\n{err}") from None
     assert proc.returncode == 0, err
     assert f"stopped serving {NAME!r}" in err and "Traceback" not in err
 

@@ -257,13 +257,16 @@ def _check_cluster(settings: Any, local: bool) -> None:
     warnings.warn(f"{message}; the server waits until the cluster's autoscaler adds them", stacklevel=2)
 
 
-def _stop_on_sigterm() -> None:
-    """SIGTERM (a service manager, a container stop) ends the server as Ctrl-C does: cleanly."""
+def _stop_on_signals() -> None:
+    """SIGINT (Ctrl-C) and SIGTERM (a service manager, a container stop) end the server cleanly, whatever handling
+    the process inherited: a shell without job control starts a background command (``attr-engine serve ... &`` in
+    a script) with SIGINT ignored, and Python then installs no Ctrl-C handler, so the server would never stop."""
 
     def stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    with contextlib.suppress(ValueError):  # not the main thread: leave the signal alone
+    with contextlib.suppress(ValueError):  # not the main thread: leave the signals alone
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, stop)
 
 
@@ -279,7 +282,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         _check_cluster(settings, local)
         work_started()
-        _stop_on_sigterm()
+        _stop_on_signals()
         try:
             url = start_server(job, settings, host=args.host, port=args.port, verbose=args.verbose)
             source = f" from {job.path} (onnxruntime)" if isinstance(job, OnnxArtifact) else ""
