@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -97,6 +98,15 @@ def untrained_resnet_checkpoint(directory: Path) -> Path:
     path = directory / "classifier.safetensors"
     save_classifier(small_model_config("resnet", 32).build(6), path)
     return path
+
+
+def onnx_session(path: Path) -> Any:
+    """An onnxruntime CPU session of ``path`` on one thread, as the tests' torch runs (an ``InferenceSession``)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def logits_read_the_target(path: Path) -> OnnxArtifact:

@@ -19,7 +19,7 @@ from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.network import classifier_head_weight
 from attr_engine.checkpoint import load_safetensors
 from tests.conftest import ZOO
-from tests.eval_helpers import single_thread
+from tests.eval_helpers import images, onnx_session, single_thread
 
 TINY = {"decoder_dim": 8, "class_dim": 4, "head_input": True}
 
@@ -30,16 +30,12 @@ def _one_thread() -> Iterator[None]:
         yield
 
 
-def _images(n: int, side: int = 32, seed: int = 3) -> torch.Tensor:
-    return torch.rand(n, 3, side, side, generator=torch.Generator().manual_seed(seed))
-
-
 def test_the_head_score_is_the_class_activation_map_whose_mean_is_the_logit(timm_cnn) -> None:
     """resnet10t's head pools its last stage and applies one Linear: the score W_t · f at each position of that
     stage, averaged over the positions, plus the bias, is the target's logit; the decoder's channel is that map
     standardised per image. At 64 px the last stage is 2 x 2 (at 32 px one position, a constant channel)."""
     aha = AHA(timm_cnn, AHAConfig(**TINY), img_size=64)
-    x, target = _images(3, 64), torch.tensor([0, 3, 4])
+    x, target = images(3, 64, seed=3), torch.tensor([0, 3, 4])
     feats, logits = aha.backbone.forward_with_logits(x)
     decoder = aha.decoder
     assert decoder.head_level == len(feats) - 1  # the last stage: 64 channels, the fc's input
@@ -57,7 +53,7 @@ def test_the_head_score_is_the_class_activation_map_whose_mean_is_the_logit(timm
 def test_the_head_score_makes_the_map_depend_on_the_target_without_the_class_embedding(timm_cnn) -> None:
     """With the learned class embedding zeroed, the decoder's only word of the class is the head score: the maps of
     two targets differ with it and are equal without it."""
-    x = _images(2, 64)
+    x = images(2, 64, seed=3)
     maps = {}
     for on in (False, True):
         aha = AHA(timm_cnn, AHAConfig(**{**TINY, "head_input": on}), img_size=64)
@@ -73,16 +69,14 @@ def test_the_head_score_exports_on_every_family(family, request, tmp_path) -> No
     """The head's last Linear is found on every family (timm's head / fc, torchvision's fc / heads.head, the
     transformers classifier) and the exported file gives eager's maps. The CNNs at 64 px: a last stage of 2 x 2,
     so the channel is not a constant."""
-    ort = pytest.importorskip("onnxruntime", reason="the export extra (onnxruntime) is not installed")
+    pytest.importorskip("onnxruntime", reason="the export extra (onnxruntime) is not installed")
     pytest.importorskip("onnxscript", reason="the export extra (onnxscript) is not installed")
     classifier = request.getfixturevalue(family)
     side = 32 if "vit" in family else 64
     aha = AHA(classifier, AHAConfig(**TINY), img_size=side)
     assert aha.decoder.head_level is not None
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(str(aha.export(tmp_path / "aha.onnx")), options, providers=["CPUExecutionProvider"])
-    x = _images(3, side)
+    session = onnx_session(aha.export(tmp_path / "aha.onnx"))
+    x = images(3, side, seed=3)
     _, maps = session.run(["logits", "maps"], {"images": x.numpy(), "target": np.array([0, 1, 2], np.int64)})
     np.testing.assert_allclose(maps, aha.attribute(x, target=[0, 1, 2]).numpy(), rtol=0, atol=1e-4)
 
@@ -95,7 +89,7 @@ def test_a_saved_explainer_reads_the_head_again_and_stores_none_of_it(timm_cnn, 
     assert not any("head_weight" in key for key in weights)
     loaded = AHA.load(tmp_path / "aha", timm_cnn)
     assert loaded.config.head_input and loaded.decoder.head_level == aha.decoder.head_level
-    x, target = _images(2, 64), torch.tensor([4, 0])
+    x, target = images(2, 64, seed=3), torch.tensor([4, 0])
     torch.testing.assert_close(loaded.attribute(x, target=target), aha.attribute(x, target=target))
 
 

@@ -20,7 +20,7 @@ from attr_engine.aha import AHA, AHAConfig
 from attr_engine.aha.network import FeatureBackbone, with_prediction
 from tests.aha_helpers import FAST, colour_classifier, colour_images
 from tests.conftest import ZOO
-from tests.eval_helpers import single_thread
+from tests.eval_helpers import images, onnx_session, single_thread
 
 TINY = {"decoder_dim": 8, "class_dim": 4, "prediction_input": True}
 
@@ -29,10 +29,6 @@ TINY = {"decoder_dim": 8, "class_dim": 4, "prediction_input": True}
 def _one_thread() -> Iterator[None]:
     with single_thread():
         yield
-
-
-def _images(n: int, side: int = 32, seed: int = 3) -> torch.Tensor:
-    return torch.rand(n, 3, side, side, generator=torch.Generator().manual_seed(seed))
 
 
 def _random_matrix(aha: AHA) -> None:
@@ -47,7 +43,7 @@ def test_the_last_input_is_the_classifiers_own_distribution(timm_cnn) -> None:
     """``features`` gives the backbone's levels and then softmax(classifier logits), from the fused pass or from
     logits the caller passes; the first entries are the levels of the option off."""
     aha = AHA(timm_cnn, AHAConfig(**TINY), img_size=32)
-    x = _images(3)
+    x = images(3, 32, seed=3)
     inputs = aha.features(x)
     expected = torch.softmax(timm_cnn(x).float(), dim=1)
     torch.testing.assert_close(inputs[-1], expected)
@@ -62,7 +58,7 @@ def test_the_untrained_map_is_the_defaults_and_a_learned_matrix_reads_the_distri
     """Built from the same seed, the decoder with the option has the default's weights and maps (its matrix starts
     at zero and draws nothing); with a non-zero matrix, two distributions give two maps for the same image,
     features and class."""
-    x, target = _images(2), torch.tensor([1, 3])
+    x, target = images(2, 32, seed=3), torch.tensor([1, 3])
     built = {}
     for on in (False, True):
         torch.manual_seed(11)
@@ -95,9 +91,9 @@ def test_training_feeds_each_curve_its_images_distribution_and_learns_the_matrix
     )
     aha.fit(torch.utils.data.TensorDataset(x, labels), batch_size=4, max_steps=2, progress=False)
     assert len(seen) == 2
-    for probs, images in seen:
-        assert len(probs) == len(images) == 8  # 4 images, two targets each
-        torch.testing.assert_close(probs, torch.softmax(classifier(images), dim=1))
+    for probs, batch in seen:
+        assert len(probs) == len(batch) == 8  # 4 images, two targets each
+        torch.testing.assert_close(probs, torch.softmax(classifier(batch), dim=1))
     weight = aha.decoder.prediction_weight
     assert weight is not None and aha.steps_trained == 2
     assert weight.abs().max() > 0
@@ -109,7 +105,7 @@ def test_refinement_from_one_pass_prediction_gives_the_maps_of_attribute(timm_cn
     over or the refinement computes them."""
     aha = AHA(timm_cnn, AHAConfig(**TINY, refine_mode=mode), img_size=32).with_options(refine_steps=1)
     _random_matrix(aha)
-    x = _images(2)
+    x = images(2, 32, seed=3)
     logits, maps = aha.predict_and_explain(x)
     torch.testing.assert_close(maps, aha.attribute(x, target=logits.argmax(dim=1)), rtol=0, atol=0)
 
@@ -117,15 +113,15 @@ def test_refinement_from_one_pass_prediction_gives_the_maps_of_attribute(timm_cn
 def test_a_separate_backbone_takes_the_distribution_from_the_classifier(timm_cnn, tmp_path) -> None:
     """A backbone that is not the classifier's network (here a copy of it) gives no logits: the distribution comes
     from one classifier pass, eager and exported alike."""
-    ort = pytest.importorskip("onnxruntime", reason="the export extra (onnxruntime) is not installed")
+    pytest.importorskip("onnxruntime", reason="the export extra (onnxruntime) is not installed")
     pytest.importorskip("onnxscript", reason="the export extra (onnxscript) is not installed")
     copy = FeatureBackbone(deepcopy(timm_cnn.model), timm_cnn.norm_mean, timm_cnn.norm_std)
     aha = AHA(timm_cnn, AHAConfig(**TINY), img_size=32, backbone=copy)
     assert aha.backbone.model is not timm_cnn.model
     _random_matrix(aha)
-    x, target = _images(3), [0, 1, 2]
+    x, target = images(3, 32, seed=3), [0, 1, 2]
     torch.testing.assert_close(aha.features(x)[-1], torch.softmax(timm_cnn(x), dim=1))
-    session = ort.InferenceSession(str(aha.export(tmp_path / "aha.onnx")), providers=["CPUExecutionProvider"])
+    session = onnx_session(aha.export(tmp_path / "aha.onnx"))
     _, maps = session.run(["logits", "maps"], {"images": x.numpy(), "target": np.array(target, np.int64)})
     np.testing.assert_allclose(maps, aha.attribute(x, target=target).numpy(), rtol=0, atol=1e-4)
 
@@ -133,7 +129,7 @@ def test_a_separate_backbone_takes_the_distribution_from_the_classifier(timm_cnn
 def test_one_pass_prediction_gives_the_maps_of_attribute(timm_vit) -> None:
     aha = AHA(timm_vit, AHAConfig(**TINY), img_size=32)
     _random_matrix(aha)
-    x = _images(3)
+    x = images(3, 32, seed=3)
     logits, maps = aha.predict_and_explain(x)
     torch.testing.assert_close(logits, timm_vit(x))
     torch.testing.assert_close(maps, aha.attribute(x, target=logits.argmax(dim=1)), rtol=0, atol=0)
@@ -143,16 +139,14 @@ def test_one_pass_prediction_gives_the_maps_of_attribute(timm_vit) -> None:
 def test_the_distribution_exports_on_every_family(family, request, tmp_path) -> None:
     """The exported graph takes the distribution from its own logits: onnxruntime's maps equal eager's, and differ
     from those of the same decoder with its matrix at zero (so the parity covers the input)."""
-    ort = pytest.importorskip("onnxruntime", reason="the export extra (onnxruntime) is not installed")
+    pytest.importorskip("onnxruntime", reason="the export extra (onnxruntime) is not installed")
     pytest.importorskip("onnxscript", reason="the export extra (onnxscript) is not installed")
     classifier = request.getfixturevalue(family)
     aha = AHA(classifier, AHAConfig(**TINY), img_size=32)
-    x, target = _images(3), [0, 1, 2]
+    x, target = images(3, 32, seed=3), [0, 1, 2]
     zero = aha.attribute(x, target=target)
     _random_matrix(aha)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(str(aha.export(tmp_path / "aha.onnx")), options, providers=["CPUExecutionProvider"])
+    session = onnx_session(aha.export(tmp_path / "aha.onnx"))
     _, maps = session.run(["logits", "maps"], {"images": x.numpy(), "target": np.array(target, np.int64)})
     eager = aha.attribute(x, target=target)
     np.testing.assert_allclose(maps, eager.numpy(), rtol=0, atol=1e-4)
@@ -166,13 +160,13 @@ def test_a_saved_explainer_keeps_the_matrix(timm_cnn, tmp_path) -> None:
     loaded = AHA.load(tmp_path / "aha", timm_cnn)
     assert loaded.config.prediction_input
     torch.testing.assert_close(loaded.decoder.prediction_weight, aha.decoder.prediction_weight)
-    x, target = _images(2), torch.tensor([4, 0])
+    x, target = images(2, 32, seed=3), torch.tensor([4, 0])
     torch.testing.assert_close(loaded.attribute(x, target=target), aha.attribute(x, target=target))
 
 
 def test_a_last_input_that_is_not_the_distribution_is_refused_by_name(timm_cnn) -> None:
     aha = AHA(timm_cnn, AHAConfig(**TINY), img_size=32)
-    x, target = _images(2), torch.tensor([0, 1])
+    x, target = images(2, 32, seed=3), torch.tensor([0, 1])
     with pytest.raises(ValueError, match=r"must be the predicted distribution \(2, 5\) \(with_prediction\), got"):
         aha.decoder(aha.backbone(x), x, target)
     with pytest.raises(ValueError, match=r"prediction_input must be a bool"):

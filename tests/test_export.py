@@ -31,7 +31,7 @@ from attr_engine.explainer import get_explainer
 from attr_engine.pixels import DataConfig
 from tests.aha_helpers import tiny_aha
 from tests.conftest import ZOO
-from tests.eval_helpers import logits_read_the_target, single_thread, untrained_resnet_checkpoint
+from tests.eval_helpers import logits_read_the_target, onnx_session, single_thread, untrained_resnet_checkpoint
 
 ort = pytest.importorskip("onnxruntime", reason="the export extra (onnxruntime) is not installed")
 pytest.importorskip("onnxscript", reason="the export extra (onnxscript) is not installed")
@@ -47,12 +47,6 @@ def _one_thread() -> Iterator[None]:
         yield
 
 
-def _session(path: Path) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
 def _images(n: int, seed: int = 2) -> torch.Tensor:
     return torch.rand(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
 
@@ -62,7 +56,7 @@ def exported(request, tmp_path_factory) -> tuple[AHA, Path, ort.InferenceSession
     """One ONNX export per family (traced at batch 2), shared by the tests of this module."""
     aha = tiny_aha(request.getfixturevalue(request.param))
     path = aha.export(tmp_path_factory.mktemp(request.param) / "aha.onnx")
-    return aha, path, _session(path)
+    return aha, path, onnx_session(path)
 
 
 def _run(session: ort.InferenceSession, x: torch.Tensor, target: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -90,7 +84,7 @@ def test_the_low_resolution_decoder_exports_on_every_family(family, request, tmp
     classifier = request.getfixturevalue(family)
     side = 32 if "vit" in family else 30
     aha = AHA(classifier, AHAConfig(decoder_dim=8, class_dim=4, decoder_stride=4), img_size=side)
-    session = _session(aha.export(tmp_path / "aha.onnx"))
+    session = onnx_session(aha.export(tmp_path / "aha.onnx"))
     x = torch.nn.functional.interpolate(_images(3), size=(side, side), mode="bilinear")
     logits, maps = _run(session, x, [-1, 1, -1])
     eager_logits, _ = aha.predict_and_explain(x)
@@ -237,7 +231,7 @@ def test_the_cli_export_writes_an_artifact_that_matches_explain(cli_artifact, ca
     assert out.is_file() and not [p for p in out.parent.iterdir() if p != out]  # one file, no temporaries
     clf = load_classifier("resnet10t", checkpoint=checkpoint)
     aha = AHA.load(aha_dir, clf)
-    session = _session(out)
+    session = onnx_session(out)
     x = _images(3)
     logits, maps = _run(session, x, [-1, -1, -1])
     eager_logits, eager_maps = aha.predict_and_explain(x)
